@@ -1,0 +1,139 @@
+//! outbox-relay: publishes each tenant's committed outbox rows from PostgreSQL
+//! to RabbitMQ, in order, at least once.
+//!
+//! How data flows:
+//!
+//! 1. [`config`] merges defaults, a TOML file, `OUTBOX_*` variables and flags,
+//!    and refuses a bad configuration before anything is connected.
+//! 2. [`relay`] runs the scheduler: one poll per interval asks [`store`] which
+//!    tenants have pending rows; each due tenant gets a sweep, at most
+//!    `concurrency` at once, with its own [`backoff`] after a failure.
+//! 3. A sweep ([`relay::Relay::sweep`]) claims the tenant in [`store`] (an
+//!    advisory lock held by one transaction), reads its oldest pending rows,
+//!    has [`publisher`] send them as [`envelope`] messages with confirms, then
+//!    marks the confirmed prefix and records a refusal, and commits.
+//! 4. [`http`] serves lag, liveness, readiness and [`metrics`]; [`telemetry`]
+//!    writes the logs; [`shutdown`] drains sweeps on SIGTERM; [`migrate`]
+//!    creates the table.
+#![forbid(unsafe_code)]
+
+pub mod backoff;
+pub mod config;
+pub mod envelope;
+pub mod http;
+pub mod metrics;
+pub mod migrate;
+pub mod publisher;
+pub mod redact;
+pub mod relay;
+pub mod shutdown;
+pub mod store;
+pub mod telemetry;
+pub mod template;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::backoff::Backoff;
+use crate::config::Config;
+use crate::relay::Relay;
+use crate::shutdown::Shutdown;
+
+/// Why the relay could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("{0}")]
+    Setup(String),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+}
+
+/// Runs the relay until `shutdown` resolves: HTTP, the broker connection, the
+/// migrations (when `migrate = true`) and the scheduler; then drains, closes
+/// the broker connection and returns.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
+    let config = Arc::new(config);
+    let relay = Arc::new(Relay::from_config(config.clone()).map_err(RunError::Setup)?);
+    let listener = tokio::net::TcpListener::bind(config.http_addr)
+        .await
+        .map_err(|source| RunError::Bind {
+            addr: config.http_addr,
+            source,
+        })?;
+    tracing::info!(
+        addr = %listener.local_addr().map_or(config.http_addr, |a| a),
+        tenants = config.tenants.len(),
+        version = env!("CARGO_PKG_VERSION"),
+        "outbox-relay started"
+    );
+    serve(relay, listener, shutdown).await;
+    Ok(())
+}
+
+/// Runs an already-built relay on an already-bound listener (tests use port 0).
+pub async fn serve(
+    relay: Arc<Relay>,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()>,
+) {
+    // The scheduler stops first and drains its sweeps; the broker connection and
+    // the HTTP endpoints stay up until it has.
+    let (stop_scheduler, scheduler_stop) = shutdown::channel();
+    let (stop_rest, rest_stop) = shutdown::channel();
+    let http = tokio::spawn({
+        let app = http::router(relay.clone());
+        let stop = rest_stop.clone();
+        async move {
+            if let Err(error) = axum::serve(listener, app)
+                .with_graceful_shutdown(stop.fired())
+                .await
+            {
+                tracing::error!(%error, "HTTP server failed");
+            }
+        }
+    });
+    let broker = tokio::spawn(relay.publisher.clone().supervise(rest_stop.fired()));
+    let scheduler = tokio::spawn({
+        let relay = relay.clone();
+        async move {
+            if relay.config.migrate && !migrate_until_done(&relay, scheduler_stop.clone()).await {
+                return;
+            }
+            relay::schedule(relay, scheduler_stop).await;
+        }
+    });
+
+    shutdown.await;
+    tracing::info!("shutdown requested");
+    stop_scheduler.fire();
+    let _ = scheduler.await;
+    stop_rest.fire();
+    let _ = broker.await;
+    let _ = http.await;
+    tracing::info!("outbox-relay stopped");
+}
+
+/// Applies the migrations, retrying with back-off while the database is
+/// unreachable. Returns `false` if shutdown came first.
+async fn migrate_until_done(relay: &Relay, stop: Shutdown) -> bool {
+    let backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
+    let mut failures = 0;
+    loop {
+        match migrate::run(&relay.store, &relay.config).await {
+            Ok(()) => return true,
+            Err(error) => {
+                tracing::warn!(%error, "cannot apply migrations; retrying");
+                relay.metrics.database_up.set(0);
+            }
+        }
+        let delay = backoff.delay(failures);
+        failures += 1;
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = stop.clone().fired() => return false,
+        }
+    }
+}

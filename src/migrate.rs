@@ -1,0 +1,88 @@
+//! Applies `migrations/` to the configured schema and table. Idempotent, and
+//! safe when several replicas start with `migrate = true` at once (they
+//! serialise on an advisory lock).
+
+use crate::config::Config;
+use crate::store::{Store, StoreError, quote_ident};
+
+/// The migrations, in order, embedded in the binary.
+pub const MIGRATIONS: &[(&str, &str)] = &[(
+    "0001_outbox.sql",
+    include_str!("../migrations/0001_outbox.sql"),
+)];
+
+/// The statements of one migration for `schema`.`table`: the files name the
+/// default table `outbox_message` (and its index `outbox_message_pending`).
+pub fn render(sql: &str, table: &str) -> String {
+    const NAME: &str = "outbox_message";
+    const INDEX_SUFFIX: &str = "_pending";
+    let mut out = String::with_capacity(sql.len());
+    let mut rest = sql;
+    while let Some(at) = rest.find(NAME) {
+        out.push_str(&rest[..at]);
+        rest = &rest[at + NAME.len()..];
+        if let Some(after) = rest.strip_prefix(INDEX_SUFFIX) {
+            out.push_str(&quote_ident(&format!("{table}{INDEX_SUFFIX}")));
+            rest = after;
+        } else {
+            out.push_str(&quote_ident(table));
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Applies every migration in one transaction.
+pub async fn run(store: &Store, config: &Config) -> Result<(), StoreError> {
+    let mut conn = store.connection().await?;
+    let tx = conn.transaction().await?;
+    tx.execute(
+        "SELECT pg_advisory_xact_lock(hashtext('outbox-relay migrate'))",
+        &[],
+    )
+    .await?;
+    let exists = tx
+        .query_opt(
+            "SELECT 1 FROM pg_namespace WHERE nspname = $1",
+            &[&config.schema],
+        )
+        .await?
+        .is_some();
+    if !exists {
+        tx.batch_execute(&format!(
+            "CREATE SCHEMA IF NOT EXISTS {}",
+            quote_ident(&config.schema)
+        ))
+        .await?;
+    }
+    tx.batch_execute(&format!(
+        "SET LOCAL search_path TO {}",
+        quote_ident(&config.schema)
+    ))
+    .await?;
+    for (name, sql) in MIGRATIONS {
+        tx.batch_execute(&render(sql, &config.table)).await?;
+        tracing::info!(migration = name, schema = %config.schema, table = %config.table, "migration applied");
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_the_configured_table_and_its_index() {
+        let sql = render(MIGRATIONS[0].1, "orders_outbox");
+        assert!(sql.contains("CREATE TABLE IF NOT EXISTS \"orders_outbox\" ("));
+        assert!(sql.contains("CREATE INDEX IF NOT EXISTS \"orders_outbox_pending\""));
+        assert!(sql.contains("ON \"orders_outbox\" (tenant_id, id) WHERE published_at IS NULL"));
+        assert!(!sql.contains("outbox_message"));
+        let odd = render(MIGRATIONS[0].1, "we\"ird");
+        assert!(
+            odd.contains("CREATE INDEX IF NOT EXISTS \"we\"\"ird_pending\""),
+            "{odd}"
+        );
+    }
+}

@@ -1,0 +1,347 @@
+//! The real binary: configuration errors exit 2 before any connection,
+//! `check-config`, `migrate`, and SIGTERM in the middle of a batch.
+
+use std::collections::HashSet;
+use std::io::Write;
+use std::net::TcpListener;
+use std::time::Duration;
+
+use crate::support::{
+    AMQP_URL, Broker, DATABASE_URL, Outbox, RelayProcess, by_tenant, config, eventually, pg_client,
+    relay_command, start_relay, unique,
+};
+
+/// Listeners standing in for the database and the broker: a relay that
+/// connects anywhere leaves a connection in their backlog.
+struct Tripwires {
+    database: TcpListener,
+    broker: TcpListener,
+}
+
+impl Tripwires {
+    fn new() -> Tripwires {
+        let listen = || {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            l.set_nonblocking(true).unwrap();
+            l
+        };
+        Tripwires {
+            database: listen(),
+            broker: listen(),
+        }
+    }
+
+    fn database_url(&self) -> String {
+        format!(
+            "postgres://postgres:hunter2@127.0.0.1:{}/test",
+            self.database.local_addr().unwrap().port()
+        )
+    }
+
+    fn amqp_url(&self) -> String {
+        format!(
+            "amqp://guest:hunter2@127.0.0.1:{}/%2f",
+            self.broker.local_addr().unwrap().port()
+        )
+    }
+
+    fn assert_untouched(&self) {
+        assert!(
+            self.database.accept().is_err(),
+            "a database connection was opened"
+        );
+        assert!(
+            self.broker.accept().is_err(),
+            "a broker connection was opened"
+        );
+    }
+}
+
+fn config_file(contents: &str) -> tempfile::TempPath {
+    let mut file = tempfile::NamedTempFile::new().unwrap();
+    file.write_all(contents.as_bytes()).unwrap();
+    file.into_temp_path()
+}
+
+/// Runs the binary to completion with `env` and `args`; returns (code, stderr).
+fn run(env: &[(&str, &str)], args: &[&str]) -> (Option<i32>, String, String) {
+    let mut command = relay_command();
+    command.envs(env.iter().copied()).args(args);
+    let output = command.output().expect("the binary runs");
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn each_configuration_error_exits_2_naming_key_and_source_before_connecting() {
+    let wires = Tripwires::new();
+    let (db, mq) = (wires.database_url(), wires.amqp_url());
+    let base = vec![
+        ("OUTBOX_DATABASE_URL", db.as_str()),
+        ("OUTBOX_AMQP_URL", mq.as_str()),
+        ("OUTBOX_HTTP_ADDR", "127.0.0.1:0"),
+    ];
+
+    let unknown = config_file("tenants = [\"a\"]\npoll_msec = 100\n");
+    let empty_tenants = config_file("tenants = []\n");
+    let dup_tenants = config_file("tenants = [\"a\", \"b\", \"a\"]\n");
+    let in_flight = config_file("tenants = [\"a\"]\nbatch_size = 10\nmax_in_flight = 20\n");
+    let unknown_s = unknown.to_str().unwrap();
+    let cases: Vec<(Vec<(&str, &str)>, Vec<&str>, &str)> = vec![
+        (vec![], vec![], "tenants is required"),
+        (
+            vec![],
+            vec!["--config", unknown_s],
+            "unknown key `poll_msec` in config file",
+        ),
+        (
+            vec![],
+            vec!["--config", empty_tenants.to_str().unwrap()],
+            "tenants = [] (config file",
+        ),
+        (
+            vec![],
+            vec!["--config", dup_tenants.to_str().unwrap()],
+            "tenant \"a\" is listed twice",
+        ),
+        (
+            vec![("OUTBOX_TENANTS", "a,")],
+            vec![],
+            "tenants = [\"a\", \"\"] (environment variable OUTBOX_TENANTS): tenant names must not be empty",
+        ),
+        (
+            vec![("OUTBOX_TENANTS", "a"), ("OUTBOX_POLL_MS", "0")],
+            vec![],
+            "poll_ms = 0 (environment variable OUTBOX_POLL_MS): must be a whole number from 1 to 60000",
+        ),
+        (
+            vec![("OUTBOX_TENANTS", "a")],
+            vec!["--batch-size", "10001"],
+            "batch_size = 10001 (command-line flag --batch-size)",
+        ),
+        (
+            vec![("OUTBOX_TENANTS", "a"), ("OUTBOX_CONCURRENCY", "2000")],
+            vec![],
+            "concurrency = 2000 (environment variable OUTBOX_CONCURRENCY)",
+        ),
+        (
+            vec![("OUTBOX_TENANTS", "a"), ("OUTBOX_CONFIRM_TIMEOUT_MS", "-1")],
+            vec![],
+            "confirm_timeout_ms = -1 (environment variable OUTBOX_CONFIRM_TIMEOUT_MS)",
+        ),
+        (
+            vec![],
+            vec!["--config", in_flight.to_str().unwrap()],
+            "max_in_flight = 20 (config file",
+        ),
+        (
+            vec![
+                ("OUTBOX_TENANTS", "a"),
+                ("OUTBOX_CONCURRENCY", "4"),
+                ("OUTBOX_POOL_SIZE", "4"),
+            ],
+            vec![],
+            "pool_size = 4 (environment variable OUTBOX_POOL_SIZE): must be greater than concurrency (4)",
+        ),
+        (
+            vec![
+                ("OUTBOX_TENANTS", "a"),
+                ("OUTBOX_ROUTING_KEY", "{tenant}.{type}"),
+            ],
+            vec![],
+            "routing_key = {tenant}.{type} (environment variable OUTBOX_ROUTING_KEY): unknown placeholder {type}",
+        ),
+        (
+            vec![("OUTBOX_TENANTS", "a")],
+            vec!["--log-format", "xml"],
+            "log_format = xml (command-line flag --log-format)",
+        ),
+    ];
+    for (env, args, expected) in cases {
+        let mut all_env = base.clone();
+        all_env.extend(env.iter().copied());
+        let (code, _, stderr) = run(&all_env, &args);
+        assert_eq!(code, Some(2), "exit code for {env:?} {args:?}: {stderr}");
+        assert!(
+            stderr.contains(expected),
+            "{env:?} {args:?}: expected {expected:?} in {stderr:?}"
+        );
+        assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr:?}");
+        assert!(!stderr.contains("hunter2"), "no secrets: {stderr}");
+        assert!(
+            stderr.starts_with("outbox-relay: configuration error: "),
+            "{stderr}"
+        );
+    }
+    // A missing file names the file.
+    let (code, _, stderr) = run(&base, &["--config", "/nonexistent/relay.toml"]);
+    assert_eq!(code, Some(2));
+    assert!(
+        stderr.contains("config file /nonexistent/relay.toml"),
+        "{stderr}"
+    );
+    wires.assert_untouched();
+}
+
+#[test]
+fn unknown_outbox_variables_are_ignored_and_check_config_redacts() {
+    let file = config_file("tenants = [\"a\", \"b\"]\npoll_ms = 150\n");
+    let (code, stdout, stderr) = run(
+        &[
+            ("OUTBOX_CONFIG", file.to_str().unwrap()),
+            ("OUTBOX_PORT", "tcp://10.0.0.7:80"),
+            (
+                "OUTBOX_DATABASE_URL",
+                "postgres://app:s3cret@db.internal:5432/app",
+            ),
+            ("AMQP_URL", "amqps://relay:t0ken@mq.internal/%2f"),
+        ],
+        &["check-config", "--batch-size", "64"],
+    );
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        !stdout.contains("s3cret") && !stdout.contains("t0ken"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("tenants = [\"a\", \"b\"]  # config file"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("poll_ms = 150  # config file"), "{stdout}");
+    assert!(
+        stdout.contains("batch_size = 64  # command-line flag --batch-size"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("max_in_flight = 64  # built-in default"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("database_url = \"postgres://app:***@db.internal:5432/app\"  # environment variable OUTBOX_DATABASE_URL"), "{stdout}");
+    assert!(
+        stdout.contains(
+            "amqp_url = \"amqps://relay:***@mq.internal/%2f\"  # environment variable AMQP_URL"
+        ),
+        "{stdout}"
+    );
+    let (code, _, _) = run(&[("OUTBOX_TENANTS", "a")], &["--version"]);
+    assert_eq!(code, Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_creates_the_configured_table_idempotently() {
+    let schema = unique("m");
+    for _ in 0..2 {
+        let (code, _, stderr) = run(
+            &[
+                ("OUTBOX_TENANTS", "a"),
+                ("OUTBOX_DATABASE_URL", DATABASE_URL),
+                ("OUTBOX_SCHEMA", &schema),
+                ("OUTBOX_TABLE", "orders_outbox"),
+                ("OUTBOX_LOG_FORMAT", "json"),
+            ],
+            &["migrate"],
+        );
+        assert_eq!(code, Some(0), "{stderr}");
+    }
+    let client = pg_client().await;
+    let index: String = client
+        .query_one(
+            "SELECT indexdef FROM pg_indexes WHERE schemaname = $1 AND indexname = 'orders_outbox_pending'",
+            &[&schema],
+        )
+        .await
+        .expect("the partial index exists")
+        .get(0);
+    assert!(
+        index.contains("(tenant_id, id) WHERE (published_at IS NULL)"),
+        "{index}"
+    );
+    client
+        .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_batch_exits_0_and_loses_nothing() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let ids = outbox.insert_many("bulk", 30_000).await;
+    let mut command = relay_command();
+    command.envs([
+        ("OUTBOX_TENANTS", "bulk"),
+        ("OUTBOX_DATABASE_URL", DATABASE_URL),
+        ("OUTBOX_AMQP_URL", AMQP_URL),
+        ("OUTBOX_SCHEMA", outbox.schema.as_str()),
+        ("OUTBOX_EXCHANGE", broker.exchange.as_str()),
+        ("OUTBOX_HTTP_ADDR", "127.0.0.1:0"),
+        ("OUTBOX_BATCH_SIZE", "10000"),
+        ("OUTBOX_SHUTDOWN_GRACE_MS", "15000"),
+        ("OUTBOX_LOG_FORMAT", "json"),
+    ]);
+    let mut relay = RelayProcess::spawn(command);
+    eventually(
+        "the first batch is being published",
+        Duration::from_secs(30),
+        || async { broker.count() > 0 },
+    )
+    .await;
+    relay.signal("TERM");
+    let code = relay.wait(Duration::from_secs(20)).await;
+    let output = relay.output();
+    assert_eq!(code, Some(0), "clean exit:\n{output}");
+    assert!(
+        output.contains("shutdown requested") && output.contains("broker connection closed"),
+        "{output}"
+    );
+    assert!(!output.contains("\"level\":\"ERROR\""), "{output}");
+
+    // Everything marked published was received; the rest is still pending.
+    let published = outbox.published_ids().await;
+    assert!(
+        !published.is_empty(),
+        "the in-flight batch was allowed to finish"
+    );
+    let received: HashSet<i64> = broker.received().iter().map(|r| r.id).collect();
+    eventually("marked rows received", Duration::from_secs(10), || async {
+        let received: HashSet<i64> = broker.received().iter().map(|r| r.id).collect();
+        published.iter().all(|id| received.contains(id))
+    })
+    .await;
+    assert_eq!(
+        outbox.all_pending().await as usize,
+        ids.len() - published.len()
+    );
+    drop(received);
+
+    // A new relay sends the rest: every row arrives, in order, at least once.
+    let next = start_relay(config(&outbox, &broker, &["bulk"])).await;
+    eventually("the rest drains", Duration::from_secs(60), || async {
+        outbox.all_pending().await == 0
+    })
+    .await;
+    eventually("all received", Duration::from_secs(20), || async {
+        broker
+            .received()
+            .iter()
+            .map(|r| r.id)
+            .collect::<HashSet<_>>()
+            .len()
+            == ids.len()
+    })
+    .await;
+    next.stop().await;
+    let order = &by_tenant(&broker.received())["bulk"];
+    let mut seen = HashSet::new();
+    let firsts: Vec<i64> = order
+        .iter()
+        .copied()
+        .filter(|id| seen.insert(*id))
+        .collect();
+    assert_eq!(firsts, ids, "first occurrences in outbox order");
+    broker.delete().await;
+    outbox.drop_schema().await;
+}

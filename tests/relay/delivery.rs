@@ -1,0 +1,411 @@
+//! What a user checks first: rows arrive, once, in order, as the envelope says,
+//! and are marked published; batches chain; replicas take turns; health.
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+use lapin::types::AMQPValue;
+use serde_json::json;
+
+use crate::support::{Broker, Outbox, by_tenant, config, eventually, metric, start_relay};
+
+fn long_string(value: &AMQPValue) -> String {
+    match value {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        other => panic!("expected a string header, found {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_of_three_tenants_arrive_once_in_order_with_every_envelope_field() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let tenants = ["acme", "globex", "initech"];
+    let mut expected: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for round in 0..40 {
+        for tenant in tenants {
+            let id = outbox
+                .insert(
+                    tenant,
+                    "order.created",
+                    &format!("o-{round}"),
+                    Some(&format!("{{\"round\":{round}}}")),
+                    Some(json!({"traceparent": format!("00-{round}-01"), "attempt": round, "replay": false, "outbox-id": "forged"})),
+                )
+                .await;
+            expected.entry(tenant.to_string()).or_default().push(id);
+        }
+    }
+    let tombstone = outbox
+        .insert("acme", "order.deleted", "o-0", None, None)
+        .await;
+    expected.get_mut("acme").unwrap().push(tombstone);
+
+    let relay = start_relay(config(&outbox, &broker, &tenants)).await;
+    eventually(
+        "every row marked published",
+        Duration::from_secs(30),
+        || async { outbox.all_pending().await == 0 },
+    )
+    .await;
+    eventually("every row received", Duration::from_secs(10), || async {
+        broker.count() >= 121
+    })
+    .await;
+    relay.stop().await;
+
+    let received = broker.received();
+    assert_eq!(received.len(), 121, "each row exactly once");
+    assert_eq!(by_tenant(&received), expected, "per-tenant outbox order");
+
+    let published: HashSet<i64> = outbox.published_ids().await.into_iter().collect();
+    for message in &received {
+        assert!(
+            published.contains(&message.id),
+            "row {} is marked published",
+            message.id
+        );
+        assert!(!message.redelivered, "no fault, no redelivery");
+        let p = &message.properties;
+        let tenant = message.tenant();
+        assert_eq!(
+            p.message_id().as_ref().unwrap().as_str(),
+            message.id.to_string()
+        );
+        assert_eq!(*p.delivery_mode(), Some(2), "persistent");
+        assert_eq!(
+            p.content_type().as_ref().unwrap().as_str(),
+            "application/json"
+        );
+        assert_eq!(p.app_id().as_ref().unwrap().as_str(), "outbox-relay");
+        assert!(
+            p.timestamp().unwrap() > 1_700_000_000,
+            "occurred_at in Unix seconds"
+        );
+        assert_eq!(
+            message.header("outbox-id"),
+            Some(&AMQPValue::LongLongInt(message.id)),
+            "row headers never override"
+        );
+        let occurred = long_string(message.header("outbox-occurred-at").unwrap());
+        assert!(
+            occurred.ends_with('Z') && occurred.contains('T'),
+            "RFC 3339 UTC: {occurred}"
+        );
+        let parsed =
+            time::OffsetDateTime::parse(&occurred, &time::format_description::well_known::Rfc3339)
+                .unwrap();
+        assert_eq!(parsed.unix_timestamp() as u64, p.timestamp().unwrap());
+        if message.id == tombstone {
+            assert!(message.body.is_empty(), "a tombstone has an empty body");
+            assert_eq!(
+                message.header("outbox-tombstone"),
+                Some(&AMQPValue::Boolean(true))
+            );
+            assert_eq!(p.kind().as_ref().unwrap().as_str(), "order.deleted");
+            assert_eq!(message.routing_key, "acme.order.deleted");
+            assert_eq!(
+                long_string(message.header("outbox-subject-id").unwrap()),
+                "o-0"
+            );
+            continue;
+        }
+        let body: serde_json::Value = serde_json::from_slice(&message.body).unwrap();
+        let round = body["round"].as_i64().unwrap();
+        assert_eq!(p.kind().as_ref().unwrap().as_str(), "order.created");
+        assert_eq!(message.routing_key, format!("{tenant}.order.created"));
+        assert_eq!(
+            long_string(message.header("outbox-subject-id").unwrap()),
+            format!("o-{round}")
+        );
+        assert_eq!(
+            long_string(message.header("traceparent").unwrap()),
+            format!("00-{round}-01")
+        );
+        assert_eq!(
+            message.header("attempt"),
+            Some(&AMQPValue::LongLongInt(round))
+        );
+        assert_eq!(message.header("replay"), Some(&AMQPValue::Boolean(false)));
+        assert_eq!(message.header("outbox-tombstone"), None);
+    }
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_batch_is_followed_at_once_by_the_next() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let ids = outbox.insert_many("busy", 95).await;
+    let mut config = config(&outbox, &broker, &["busy"]);
+    config.batch_size = 10;
+    config.max_in_flight = 10;
+    // One poll at start, the next a minute away: only chaining full batches
+    // can drain 95 rows before then.
+    config.poll_ms = 60_000;
+    let relay = start_relay(config).await;
+    eventually(
+        "95 rows published without a second poll",
+        Duration::from_secs(20),
+        || async { outbox.pending("busy").await == 0 },
+    )
+    .await;
+    let (_, metrics) = relay.get("/metrics").await;
+    relay.stop().await;
+    assert_eq!(
+        metric(
+            &metrics,
+            "outbox_sweeps_total{outcome=\"published\",tenant=\"busy\"}"
+        ),
+        Some(9.0),
+        "nine full batches, then the rest:\n{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, "outbox_published_total{tenant=\"busy\"}"),
+        Some(95.0),
+        "{metrics}"
+    );
+    eventually("all received", Duration::from_secs(10), || async {
+        broker.count() == 95
+    })
+    .await;
+    assert_eq!(by_tenant(&broker.received())["busy"], ids);
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relays_over_one_table_never_publish_a_row_twice() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let tenants: Vec<String> = (0..8).map(|i| format!("tenant-{i}")).collect();
+    let names: Vec<&str> = tenants.iter().map(String::as_str).collect();
+    let mut config = config(&outbox, &broker, &names);
+    config.batch_size = 16;
+    config.max_in_flight = 16;
+    config.poll_ms = 10;
+    let first = start_relay(config.clone()).await;
+    let second = start_relay(config).await;
+
+    // Rows are written while both relays run.
+    let mut expected: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for _ in 0..10 {
+        for tenant in &names {
+            expected
+                .entry(tenant.to_string())
+                .or_default()
+                .extend(outbox.insert_many(tenant, 25).await);
+        }
+    }
+    eventually("every row published", Duration::from_secs(60), || async {
+        outbox.all_pending().await == 0
+    })
+    .await;
+    eventually("every row received", Duration::from_secs(10), || async {
+        broker.count() >= 2000
+    })
+    .await;
+    let (_, first_metrics) = first.get("/metrics").await;
+    let (_, second_metrics) = second.get("/metrics").await;
+    first.stop().await;
+    second.stop().await;
+
+    let received = broker.received();
+    let unique: HashSet<i64> = received.iter().map(|r| r.id).collect();
+    assert_eq!(received.len(), unique.len(), "no row was published twice");
+    assert_eq!(
+        by_tenant(&received),
+        expected,
+        "each tenant in order, all rows"
+    );
+    let published_by = |metrics: &str| -> u64 {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with("outbox_published_total"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+            .sum()
+    };
+    assert_eq!(
+        published_by(&first_metrics) + published_by(&second_metrics),
+        2000
+    );
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_turns_503_past_max_lag_and_200_once_published() {
+    let outbox = Outbox::create().await;
+    // Nothing is bound for `late` yet: its rows cannot leave.
+    let broker = Broker::create(&["ontime.#"]).await;
+    let mut config = config(&outbox, &broker, &["ontime", "late"]);
+    config.max_lag_ms = 300;
+    config.max_backoff_ms = 200;
+    let relay = start_relay(config).await;
+
+    let (status, body) = relay.get("/healthz").await;
+    assert_eq!(status, 200, "{body}");
+    let health: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(health["status"], "ok");
+    assert_eq!(health["max_lag_ms"], 300);
+    assert_eq!(health["error"], serde_json::Value::Null);
+    assert_eq!(
+        health["tenants"],
+        json!([{"tenant": "ontime", "lag_ms": 0, "pending": false}, {"tenant": "late", "lag_ms": 0, "pending": false}])
+    );
+
+    outbox
+        .insert("late", "thing.changed", "s", Some("{}"), None)
+        .await;
+    outbox
+        .insert("ontime", "thing.changed", "s", Some("{}"), None)
+        .await;
+    eventually(
+        "/healthz answers 503 lagging",
+        Duration::from_secs(15),
+        || async {
+            let (status, body) = relay.get("/healthz").await;
+            status == 503 && body.contains("\"status\":\"lagging\"")
+        },
+    )
+    .await;
+    let (_, body) = relay.get("/healthz").await;
+    let health: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let late = &health["tenants"][1];
+    assert_eq!(late["tenant"], "late");
+    assert_eq!(late["pending"], true);
+    assert!(late["lag_ms"].as_i64().unwrap() > 300, "{body}");
+    assert_eq!(
+        health["tenants"][0]["pending"], false,
+        "the other tenant was not held up: {body}"
+    );
+    let (_, metrics) = relay.get("/metrics").await;
+    assert!(
+        metric(&metrics, "outbox_lag_seconds{tenant=\"late\"}").unwrap() > 0.3,
+        "{metrics}"
+    );
+
+    broker.bind("late.#").await;
+    eventually(
+        "/healthz answers 200 again",
+        Duration::from_secs(15),
+        || async { relay.get("/healthz").await.0 == 200 },
+    )
+    .await;
+    assert_eq!(outbox.all_pending().await, 0);
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_livez_and_readyz_answer() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    outbox.insert_many("a", 3).await;
+    let relay = start_relay(config(&outbox, &broker, &["a"])).await;
+    eventually("ready", Duration::from_secs(15), || async {
+        relay.get("/readyz").await.0 == 200
+    })
+    .await;
+    let (_, ready) = relay.get("/readyz").await;
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&ready).unwrap(),
+        json!({"ready": true, "database": true, "broker": true})
+    );
+    assert_eq!(relay.get("/livez").await.0, 200);
+    eventually("published", Duration::from_secs(15), || async {
+        outbox.pending("a").await == 0
+    })
+    .await;
+    let (status, metrics) = relay.get("/metrics").await;
+    assert_eq!(status, 200);
+    let expected: &[(&str, Option<f64>)] = &[
+        ("outbox_published_total{tenant=\"a\"}", Some(3.0)),
+        (
+            "outbox_publish_failures_total{tenant=\"a\",reason=\"nack\"}",
+            None,
+        ),
+        (
+            "outbox_publish_failures_total{reason=\"nack\",tenant=\"a\"}",
+            Some(0.0),
+        ),
+        (
+            "outbox_sweeps_total{outcome=\"failed\",tenant=\"a\"}",
+            Some(0.0),
+        ),
+        ("outbox_delivery_delay_seconds_count", Some(3.0)),
+        ("outbox_tenant_backoff_seconds{tenant=\"a\"}", Some(0.0)),
+        ("outbox_amqp_connected", Some(1.0)),
+        ("outbox_database_up", Some(1.0)),
+        ("outbox_build_info{version=\"0.1.0\"}", Some(1.0)),
+    ];
+    for (series, value) in expected {
+        assert_eq!(metric(&metrics, series), *value, "{series} in\n{metrics}");
+    }
+    assert!(
+        metric(
+            &metrics,
+            "outbox_sweeps_total{outcome=\"idle\",tenant=\"a\"}"
+        )
+        .unwrap()
+            >= 1.0
+    );
+    assert!(metric(&metrics, "outbox_lag_seconds{tenant=\"a\"}").is_some());
+    assert!(
+        metric(
+            &metrics,
+            "outbox_sweep_duration_seconds_count{outcome=\"idle\"}"
+        )
+        .unwrap()
+            >= 1.0
+    );
+    for name in [
+        "outbox_sweeps_total",
+        "outbox_sweep_duration_seconds",
+        "outbox_delivery_delay_seconds",
+        "outbox_lag_seconds",
+    ] {
+        assert!(metrics.contains(&format!("# TYPE {name} ")), "{name}");
+    }
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_broker_is_not_fatal_and_not_ready() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    outbox.insert_many("a", 2).await;
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let mut config = config(&outbox, &broker, &["a"]);
+    config.amqp_url = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
+    let relay = start_relay(config).await;
+    eventually("database seen up", Duration::from_secs(10), || async {
+        metric(&relay.get("/metrics").await.1, "outbox_database_up") == Some(1.0)
+    })
+    .await;
+    let (status, body) = relay.get("/readyz").await;
+    assert_eq!(status, 503);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&body).unwrap(),
+        json!({"ready": false, "database": true, "broker": false})
+    );
+    assert_eq!(relay.get("/livez").await.0, 200, "alive while retrying");
+    assert_eq!(
+        metric(&relay.get("/metrics").await.1, "outbox_amqp_connected"),
+        Some(0.0)
+    );
+    assert_eq!(
+        outbox.pending("a").await,
+        2,
+        "nothing claimed or marked while the broker is down"
+    );
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}

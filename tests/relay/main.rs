@@ -1,0 +1,8 @@
+//! Integration tests: the relay against the real PostgreSQL (database `test`)
+//! and RabbitMQ on this machine. Each test has its own schema, table,
+//! exchange and queue, so they run in parallel.
+
+mod cli;
+mod delivery;
+mod refusals;
+mod support;

@@ -1,0 +1,280 @@
+//! A refused row stops its tenant only: unroutable, nacked, too large,
+//! malformed headers. Its attempts and last_error are recorded, the rows after
+//! it stay pending, every other tenant flows, and once fixed it drains in order.
+
+use std::time::Duration;
+
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use serde_json::json;
+
+use crate::support::{Broker, Outbox, by_tenant, config, eventually, metric, start_relay};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unroutable_row_stops_only_its_tenant_and_goes_out_once_a_queue_is_bound() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["flowing.#"]).await;
+    let flowing = outbox.insert_many("flowing", 30).await;
+    let stuck = outbox.insert_many("stuck", 5).await;
+    let mut config = config(&outbox, &broker, &["flowing", "stuck"]);
+    config.max_backoff_ms = 300;
+    let relay = start_relay(config).await;
+
+    eventually(
+        "the other tenant drains",
+        Duration::from_secs(20),
+        || async { outbox.pending("flowing").await == 0 },
+    )
+    .await;
+    eventually(
+        "the refusal is recorded",
+        Duration::from_secs(20),
+        || async { outbox.row(stuck[0]).await.attempts >= 2 },
+    )
+    .await;
+    let first = outbox.row(stuck[0]).await;
+    assert!(!first.published);
+    let error = first.last_error.unwrap();
+    assert!(error.starts_with("unroutable: "), "{error}");
+    assert!(error.contains("stuck.thing.changed"), "{error}");
+    for id in &stuck[1..] {
+        let row = outbox.row(*id).await;
+        assert!(!row.published, "nothing after the refused row is marked");
+        assert_eq!(row.attempts, 0, "only the refused row counts attempts");
+    }
+    let (status, metrics) = relay.get("/metrics").await;
+    assert_eq!(status, 200);
+    assert!(
+        metric(
+            &metrics,
+            "outbox_publish_failures_total{reason=\"unroutable\",tenant=\"stuck\"}"
+        )
+        .unwrap()
+            >= 2.0
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "outbox_publish_failures_total{reason=\"unroutable\",tenant=\"flowing\"}"
+        ),
+        Some(0.0)
+    );
+    assert!(
+        metric(
+            &metrics,
+            "outbox_sweeps_total{outcome=\"failed\",tenant=\"stuck\"}"
+        )
+        .unwrap()
+            >= 2.0
+    );
+    let backoff = metric(&metrics, "outbox_tenant_backoff_seconds{tenant=\"stuck\"}").unwrap();
+    assert!(
+        (0.1..=0.3).contains(&backoff),
+        "backing off, capped at max_backoff_ms: {backoff}"
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "outbox_tenant_backoff_seconds{tenant=\"flowing\"}"
+        ),
+        Some(0.0)
+    );
+
+    broker.bind("stuck.#").await;
+    eventually(
+        "the stuck tenant drains",
+        Duration::from_secs(20),
+        || async { outbox.pending("stuck").await == 0 },
+    )
+    .await;
+    eventually("all received", Duration::from_secs(10), || async {
+        broker.count() == 35
+    })
+    .await;
+    relay.stop().await;
+    let received = by_tenant(&broker.received());
+    assert_eq!(received["flowing"], flowing);
+    assert_eq!(
+        received["stuck"], stuck,
+        "each once, in order, after the fix"
+    );
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nacked_row_marks_only_the_confirmed_prefix() {
+    let outbox = Outbox::create().await;
+    // No consumer queue for this tenant: only a queue that holds three
+    // messages and then rejects publishes, which the broker nacks.
+    let broker = Broker::create(&[]).await;
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-max-length".into(), AMQPValue::LongInt(3));
+    arguments.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString(LongString::from("reject-publish")),
+    );
+    let capped = broker.side_queue("full.#", arguments).await;
+    let ids = outbox.insert_many("full", 6).await;
+    let mut config = config(&outbox, &broker, &["full"]);
+    config.max_in_flight = 1;
+    config.max_backoff_ms = 300;
+    let relay = start_relay(config).await;
+
+    eventually("the nack is recorded", Duration::from_secs(20), || async {
+        outbox.row(ids[3]).await.attempts >= 1
+    })
+    .await;
+    for id in &ids[..3] {
+        assert!(
+            outbox.row(*id).await.published,
+            "the confirmed prefix is marked"
+        );
+    }
+    let refused = outbox.row(ids[3]).await;
+    assert!(!refused.published);
+    assert!(
+        refused.last_error.as_deref().unwrap().starts_with("nack: "),
+        "{refused:?}"
+    );
+    for id in &ids[4..] {
+        assert_eq!(
+            outbox.row(*id).await,
+            crate::support::RowState {
+                published: false,
+                attempts: 0,
+                last_error: None
+            }
+        );
+    }
+    let metrics = relay.get("/metrics").await.1;
+    assert!(
+        metric(
+            &metrics,
+            "outbox_publish_failures_total{reason=\"nack\",tenant=\"full\"}"
+        )
+        .unwrap()
+            >= 1.0
+    );
+    assert_eq!(
+        metric(&metrics, "outbox_published_total{tenant=\"full\"}"),
+        Some(3.0)
+    );
+
+    // Make room: the rest goes out.
+    broker.purge(&capped).await;
+    eventually(
+        "the rest drains after the fix",
+        Duration::from_secs(20),
+        || async {
+            outbox.pending("full").await == 0 || {
+                broker.purge(&capped).await;
+                false
+            }
+        },
+    )
+    .await;
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_too_large_payload_and_malformed_headers_are_refused_without_being_sent() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let big = outbox
+        .insert("big", "blob.stored", "b-1", Some(&"x".repeat(200)), None)
+        .await;
+    let big_next = outbox
+        .insert("big", "blob.stored", "b-2", Some("{}"), None)
+        .await;
+    let bad = outbox
+        .insert(
+            "bad",
+            "thing.changed",
+            "s-1",
+            Some("{}"),
+            Some(json!(["not", "an", "object"])),
+        )
+        .await;
+    let fine = outbox.insert_many("fine", 20).await;
+    let mut config = config(&outbox, &broker, &["big", "bad", "fine"]);
+    config.max_payload_bytes = 100;
+    config.max_backoff_ms = 300;
+    let relay = start_relay(config).await;
+
+    eventually(
+        "both refusals recorded",
+        Duration::from_secs(20),
+        || async { outbox.row(big).await.attempts >= 1 && outbox.row(bad).await.attempts >= 1 },
+    )
+    .await;
+    eventually(
+        "the healthy tenant drains",
+        Duration::from_secs(20),
+        || async { outbox.pending("fine").await == 0 },
+    )
+    .await;
+    let big_row = outbox.row(big).await;
+    assert_eq!(
+        big_row.last_error.as_deref(),
+        Some("too_large: payload is 200 bytes, over max_payload_bytes (100)")
+    );
+    assert!(
+        !outbox.row(big_next).await.published,
+        "the tenant stopped at its refused row"
+    );
+    let bad_row = outbox.row(bad).await;
+    assert_eq!(
+        bad_row.last_error.as_deref(),
+        Some("other: headers must be a JSON object, found an array")
+    );
+    assert!(
+        broker.received().iter().all(|r| r.tenant() == "fine"),
+        "nothing of the refused tenants was sent"
+    );
+    let (_, metrics) = relay.get("/metrics").await;
+    assert!(
+        metric(
+            &metrics,
+            "outbox_publish_failures_total{reason=\"too_large\",tenant=\"big\"}"
+        )
+        .unwrap()
+            >= 1.0
+    );
+    assert!(
+        metric(
+            &metrics,
+            "outbox_publish_failures_total{reason=\"other\",tenant=\"bad\"}"
+        )
+        .unwrap()
+            >= 1.0
+    );
+
+    // Repair the rows: both tenants drain.
+    outbox
+        .execute(&format!(
+            "UPDATE {{outbox}} SET payload = '{{}}' WHERE id = {big}"
+        ))
+        .await;
+    outbox
+        .execute(&format!(
+            "UPDATE {{outbox}} SET headers = '{{\"k\": \"v\"}}' WHERE id = {bad}"
+        ))
+        .await;
+    eventually("repaired rows drain", Duration::from_secs(20), || async {
+        outbox.all_pending().await == 0
+    })
+    .await;
+    eventually("all received", Duration::from_secs(10), || async {
+        broker.count() == 23
+    })
+    .await;
+    relay.stop().await;
+    let received = by_tenant(&broker.received());
+    assert_eq!(received["big"], vec![big, big_next]);
+    assert_eq!(received["bad"], vec![bad]);
+    assert_eq!(received["fine"], fine);
+    broker.delete().await;
+    outbox.drop_schema().await;
+}

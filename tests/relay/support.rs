@@ -1,0 +1,575 @@
+//! The test harness: a private outbox table, a private exchange and queue with
+//! a recording consumer, the relay in-process or as the real binary, and
+//! polling with deadlines.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use futures_util::StreamExt;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
+    QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use outbox_relay::config::Config;
+use outbox_relay::relay::Relay;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::task::JoinHandle;
+use tokio_postgres::{Client, NoTls};
+
+pub const DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+pub const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// A name no other test (or earlier run) uses.
+pub fn unique(prefix: &str) -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .subsec_nanos();
+    format!(
+        "{prefix}_{}_{}_{nanos:x}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Polls `check` every 25 ms until it holds; panics naming `what` after `limit`.
+pub async fn eventually<F, Fut>(what: &str, limit: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if check().await {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out after {limit:?} waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// The state of one outbox row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RowState {
+    pub published: bool,
+    pub attempts: i32,
+    pub last_error: Option<String>,
+}
+
+/// A private outbox table in the `test` database.
+pub struct Outbox {
+    pub schema: String,
+    pub table: String,
+    pub client: Client,
+}
+
+pub async fn pg_client() -> Client {
+    let (client, connection) = tokio_postgres::connect(DATABASE_URL, NoTls)
+        .await
+        .expect("the test database is reachable");
+    tokio::spawn(connection);
+    client
+}
+
+impl Outbox {
+    /// Creates the schema and table with the relay's own migrations.
+    pub async fn create() -> Outbox {
+        let schema = unique("t");
+        let table = "outbox_message".to_string();
+        let mut config = Config::with_tenants(["migrate"]);
+        config.database_url = DATABASE_URL.into();
+        config.schema = schema.clone();
+        config.table = table.clone();
+        let store = outbox_relay::store::Store::new(&config).expect("store");
+        outbox_relay::migrate::run(&store, &config)
+            .await
+            .expect("migrations apply");
+        Outbox {
+            schema,
+            table,
+            client: pg_client().await,
+        }
+    }
+
+    pub fn qualified(&self) -> String {
+        format!("\"{}\".\"{}\"", self.schema, self.table)
+    }
+
+    /// Inserts one row and returns its id.
+    pub async fn insert(
+        &self,
+        tenant: &str,
+        kind: &str,
+        subject: &str,
+        payload: Option<&str>,
+        headers: Option<serde_json::Value>,
+    ) -> i64 {
+        let sql = format!(
+            "INSERT INTO {} (tenant_id, kind, subject_id, payload, headers) VALUES ($1, $2, $3, $4, $5) RETURNING id",
+            self.qualified()
+        );
+        self.client
+            .query_one(&sql, &[&tenant, &kind, &subject, &payload, &headers])
+            .await
+            .expect("insert")
+            .get(0)
+    }
+
+    /// Inserts `n` rows for `tenant` in one statement; returns their ids in order.
+    pub async fn insert_many(&self, tenant: &str, n: i64) -> Vec<i64> {
+        let sql = format!(
+            "INSERT INTO {} (tenant_id, kind, subject_id, payload)
+             SELECT $1, 'thing.changed', 's-' || g, '{{\"n\":' || g || '}}' FROM generate_series(1, $2::bigint) g
+             RETURNING id",
+            self.qualified()
+        );
+        let mut ids: Vec<i64> = self
+            .client
+            .query(&sql, &[&tenant, &n])
+            .await
+            .expect("insert many")
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    pub async fn execute(&self, sql: &str) {
+        let sql = sql.replace("{outbox}", &self.qualified());
+        self.client.batch_execute(&sql).await.expect("statement");
+    }
+
+    pub async fn pending(&self, tenant: &str) -> i64 {
+        let sql = format!(
+            "SELECT count(*) FROM {} WHERE tenant_id = $1 AND published_at IS NULL",
+            self.qualified()
+        );
+        self.client
+            .query_one(&sql, &[&tenant])
+            .await
+            .expect("count")
+            .get(0)
+    }
+
+    pub async fn all_pending(&self) -> i64 {
+        let sql = format!(
+            "SELECT count(*) FROM {} WHERE published_at IS NULL",
+            self.qualified()
+        );
+        self.client
+            .query_one(&sql, &[])
+            .await
+            .expect("count")
+            .get(0)
+    }
+
+    pub async fn row(&self, id: i64) -> RowState {
+        let sql = format!(
+            "SELECT published_at IS NOT NULL, attempts, last_error FROM {} WHERE id = $1",
+            self.qualified()
+        );
+        let row = self.client.query_one(&sql, &[&id]).await.expect("row");
+        RowState {
+            published: row.get(0),
+            attempts: row.get(1),
+            last_error: row.get(2),
+        }
+    }
+
+    /// Ids marked published.
+    pub async fn published_ids(&self) -> Vec<i64> {
+        let sql = format!(
+            "SELECT id FROM {} WHERE published_at IS NOT NULL ORDER BY id",
+            self.qualified()
+        );
+        self.client
+            .query(&sql, &[])
+            .await
+            .expect("ids")
+            .iter()
+            .map(|r| r.get(0))
+            .collect()
+    }
+
+    pub async fn drop_schema(self) {
+        let _ = self
+            .client
+            .batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", self.schema))
+            .await;
+    }
+}
+
+/// A message as a consumer received it.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub id: i64,
+    pub routing_key: String,
+    pub body: Vec<u8>,
+    pub properties: BasicProperties,
+    pub redelivered: bool,
+}
+
+impl Received {
+    pub fn header(&self, name: &str) -> Option<&AMQPValue> {
+        self.properties
+            .headers()
+            .as_ref()
+            .and_then(|h| h.inner().get(name))
+    }
+
+    pub fn tenant(&self) -> String {
+        match self.header("outbox-tenant-id") {
+            Some(AMQPValue::LongString(s)) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+            other => panic!("message {} has no tenant header: {other:?}", self.id),
+        }
+    }
+}
+
+/// A private topic exchange with a queue and a consumer that records every delivery.
+pub struct Broker {
+    pub exchange: String,
+    pub queue: String,
+    connection: Connection,
+    channel: Channel,
+    received: Arc<Mutex<Vec<Received>>>,
+    extra_queues: Mutex<Vec<String>>,
+}
+
+impl Broker {
+    /// Declares the exchange and the consumer's queue, bound with `keys`.
+    pub async fn create(keys: &[&str]) -> Broker {
+        let exchange = unique("x");
+        let queue = unique("q");
+        let connection = Connection::connect(AMQP_URL, ConnectionProperties::default())
+            .await
+            .expect("the broker is reachable");
+        let channel = connection.create_channel().await.expect("channel");
+        channel
+            .exchange_declare(
+                exchange.as_str().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("exchange");
+        channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("queue");
+        let broker = Broker {
+            exchange,
+            queue,
+            connection,
+            channel,
+            received: Arc::new(Mutex::new(Vec::new())),
+            extra_queues: Mutex::new(Vec::new()),
+        };
+        for key in keys {
+            broker.bind(key).await;
+        }
+        let consumer_channel = broker.connection.create_channel().await.expect("channel");
+        let mut consumer = consumer_channel
+            .basic_consume(
+                broker.queue.as_str().into(),
+                "recorder".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("consume");
+        let received = broker.received.clone();
+        tokio::spawn(async move {
+            let _keep = consumer_channel;
+            while let Some(Ok(delivery)) = consumer.next().await {
+                let id = delivery
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .and_then(|m| m.as_str().parse().ok())
+                    .expect("every message has a numeric message_id");
+                received.lock().unwrap().push(Received {
+                    id,
+                    routing_key: delivery.routing_key.as_str().to_string(),
+                    body: delivery.data.clone(),
+                    properties: delivery.properties.clone(),
+                    redelivered: delivery.redelivered,
+                });
+                let _ = delivery.ack(BasicAckOptions::default()).await;
+            }
+        });
+        broker
+    }
+
+    /// Binds the consumer's queue to `key`.
+    pub async fn bind(&self, key: &str) {
+        self.channel
+            .queue_bind(
+                self.queue.as_str().into(),
+                self.exchange.as_str().into(),
+                key.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("bind");
+    }
+
+    /// Declares another queue (no consumer) with `arguments`, bound to `key`.
+    pub async fn side_queue(&self, key: &str, arguments: FieldTable) -> String {
+        let name = unique("side");
+        self.channel
+            .queue_declare(
+                name.as_str().into(),
+                QueueDeclareOptions::default(),
+                arguments,
+            )
+            .await
+            .expect("side queue");
+        self.channel
+            .queue_bind(
+                name.as_str().into(),
+                self.exchange.as_str().into(),
+                key.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("bind side queue");
+        self.extra_queues.lock().unwrap().push(name.clone());
+        name
+    }
+
+    pub async fn purge(&self, queue: &str) {
+        self.channel
+            .queue_purge(queue.into(), Default::default())
+            .await
+            .expect("purge");
+    }
+
+    pub fn received(&self) -> Vec<Received> {
+        self.received.lock().unwrap().clone()
+    }
+
+    pub fn count(&self) -> usize {
+        self.received.lock().unwrap().len()
+    }
+
+    pub async fn delete(self) {
+        let _ = self
+            .channel
+            .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
+        let extra = std::mem::take(&mut *self.extra_queues.lock().unwrap());
+        for q in extra {
+            let _ = self
+                .channel
+                .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
+                .await;
+        }
+        let _ = self
+            .channel
+            .exchange_delete(
+                self.exchange.as_str().into(),
+                ExchangeDeleteOptions::default(),
+            )
+            .await;
+        let _ = self.connection.close(200, "done".into()).await;
+    }
+}
+
+/// Each tenant's received ids in arrival order.
+pub fn by_tenant(received: &[Received]) -> BTreeMap<String, Vec<i64>> {
+    let mut map: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for r in received {
+        map.entry(r.tenant()).or_default().push(r.id);
+    }
+    map
+}
+
+/// A relay configuration for this test's table and exchange.
+pub fn config(outbox: &Outbox, broker: &Broker, tenants: &[&str]) -> Config {
+    let mut config = Config::with_tenants(tenants.iter().copied());
+    config.database_url = DATABASE_URL.into();
+    config.amqp_url = AMQP_URL.into();
+    config.schema = outbox.schema.clone();
+    config.table = outbox.table.clone();
+    config.exchange = broker.exchange.clone();
+    config.http_addr = "127.0.0.1:0".parse().unwrap();
+    config.poll_ms = 50;
+    config.confirm_timeout_ms = 5_000;
+    config.shutdown_grace_ms = 5_000;
+    config
+}
+
+/// A relay running in this process.
+pub struct RelayHandle {
+    pub addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: JoinHandle<()>,
+}
+
+pub async fn start_relay(config: Config) -> RelayHandle {
+    // `TEST_LOG=debug cargo test …` shows the relays' logs.
+    if let Ok(filter) = std::env::var("TEST_LOG") {
+        outbox_relay::telemetry::init(outbox_relay::config::LogFormat::Text, &filter);
+    }
+    let listener = tokio::net::TcpListener::bind(config.http_addr)
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let relay = Arc::new(Relay::from_config(Arc::new(config)).expect("relay builds"));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(outbox_relay::serve(relay, listener, async move {
+        let _ = stopped.await;
+    }));
+    RelayHandle {
+        addr,
+        stop: Some(stop),
+        task,
+    }
+}
+
+impl RelayHandle {
+    pub async fn get(&self, path: &str) -> (u16, String) {
+        http_get(self.addr, path).await
+    }
+
+    /// Stops the relay as SIGTERM would and waits for it to finish.
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        tokio::time::timeout(Duration::from_secs(30), &mut self.task)
+            .await
+            .expect("the relay stops within its grace period")
+            .expect("the relay task does not panic");
+    }
+}
+
+/// A bare HTTP/1.0 GET: status and body.
+pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect to the relay's HTTP");
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: relay\r\n\r\n").as_bytes())
+        .await
+        .expect("send request");
+    let mut response = Vec::new();
+    stream
+        .read_to_end(&mut response)
+        .await
+        .expect("read response");
+    let text = String::from_utf8_lossy(&response).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP response: {text:?}"));
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (status, body)
+}
+
+/// The relay binary, with a clean environment of relay variables.
+pub fn relay_command() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
+    for (name, _) in std::env::vars() {
+        if name.starts_with("OUTBOX_")
+            || name == "DATABASE_URL"
+            || name == "AMQP_URL"
+            || name == "RUST_LOG"
+        {
+            command.env_remove(name);
+        }
+    }
+    command.stdin(Stdio::null());
+    command
+}
+
+/// A spawned relay process whose output goes to a file (read on failure).
+pub struct RelayProcess {
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl RelayProcess {
+    pub fn spawn(mut command: Command) -> RelayProcess {
+        let log = std::env::temp_dir().join(format!("{}.log", unique("relay")));
+        let file = std::fs::File::create(&log).expect("log file");
+        command
+            .stdout(file.try_clone().expect("log file"))
+            .stderr(file);
+        let child = command.spawn().expect("the relay binary starts");
+        RelayProcess { child, log }
+    }
+
+    pub fn output(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("kill runs");
+        assert!(status.success(), "kill -{signal} failed");
+    }
+
+    /// Waits for exit within `limit`; returns the exit code.
+    pub async fn wait(&mut self, limit: Duration) -> Option<i32> {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                return status.code();
+            }
+            if tokio::time::Instant::now() >= deadline {
+                let _ = self.child.kill();
+                panic!(
+                    "the relay did not exit within {limit:?}; output:\n{}",
+                    self.output()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+/// The value of one exact series (`name{labels}` as the exposition writes it)
+/// in a `/metrics` text.
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
