@@ -122,6 +122,7 @@ async fn migrate_until_done(relay: &Relay, stop: Shutdown) -> bool {
     let backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
     let mut failures = 0;
     loop {
+        relay.beat();
         match migrate::run(&relay.store, &relay.config).await {
             Ok(()) => return true,
             Err(error) => {

@@ -171,6 +171,9 @@ fn main() -> ExitCode {
     };
     let command = cli.command.unwrap_or(Command::Run);
     if let Command::CheckConfig = command {
+        for name in &loaded.unknown_env {
+            eprintln!("outbox-relay: warning: ignoring {name}: it names no configuration key");
+        }
         print!("{}", loaded.render());
         return ExitCode::SUCCESS;
     }

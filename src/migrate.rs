@@ -2,6 +2,8 @@
 //! safe when several replicas start with `migrate = true` at once (they
 //! serialise on an advisory lock).
 
+use std::time::Duration;
+
 use crate::config::Config;
 use crate::store::{Store, StoreError, quote_ident};
 
@@ -32,10 +34,23 @@ pub fn render(sql: &str, table: &str) -> String {
     out
 }
 
-/// Applies every migration in one transaction.
+/// How long the migrations may take, lock wait included.
+pub const MIGRATION_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Applies every migration in one transaction, within [`MIGRATION_TIMEOUT`].
 pub async fn run(store: &Store, config: &Config) -> Result<(), StoreError> {
+    match tokio::time::timeout(MIGRATION_TIMEOUT, apply(store, config)).await {
+        Ok(result) => result,
+        Err(_) => Err(StoreError::Timeout("the migrations", MIGRATION_TIMEOUT)),
+    }
+}
+
+async fn apply(store: &Store, config: &Config) -> Result<(), StoreError> {
     let mut conn = store.connection().await?;
     let tx = conn.transaction().await?;
+    // Server-side bounds too, so an abandoned attempt does not linger holding locks.
+    tx.batch_execute("SET LOCAL lock_timeout = '30s'; SET LOCAL statement_timeout = '50s'")
+        .await?;
     tx.execute(
         "SELECT pg_advisory_xact_lock(hashtext('outbox-relay migrate'))",
         &[],

@@ -24,7 +24,7 @@ use crate::envelope::Refusal;
 use crate::metrics::{FailureReason, Metrics, OutcomeLabel};
 use crate::publisher::Publisher;
 use crate::shutdown::Shutdown;
-use crate::store::{Settlement, Store, StoreError};
+use crate::store::{Refused, Settlement, Store, StoreError};
 
 /// How one sweep of one tenant ended.
 #[derive(Debug)]
@@ -104,7 +104,8 @@ impl Relay {
         ))
     }
 
-    fn beat(&self) {
+    /// Records that the relay's main loop is turning (see `/livez`).
+    pub fn beat(&self) {
         let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.heartbeat_ms.store(ms, Ordering::Relaxed);
     }
@@ -148,13 +149,17 @@ impl Relay {
             .as_ref()
             .zip(refused_id)
             .map(|((_, refusal), id)| (id, refusal));
-        // A lost connection is not the row's fault: its attempts stay as they are.
-        let last_error = refused
-            .filter(|(_, r)| r.reason != FailureReason::Connection)
-            .map(|(id, r)| (id, r.last_error()));
+        // Why the row did not go out is always recorded; a lost connection is
+        // not the row's fault, so it does not count as an attempt.
+        let last_error =
+            refused.map(|(id, r)| (id, r.last_error(), r.reason != FailureReason::Connection));
         let settlement = Settlement {
             published: rows[..published].iter().map(|r| r.id).collect(),
-            refused: last_error.as_ref().map(|(id, text)| (*id, text.as_str())),
+            refused: last_error.as_ref().map(|(id, text, attempt)| Refused {
+                id: *id,
+                last_error: text.as_str(),
+                counts_as_attempt: *attempt,
+            }),
         };
         let occurred: Vec<_> = rows[..published].iter().map(|r| r.occurred_at).collect();
         if let Err(error) = claim.finish(settlement).await {
@@ -244,16 +249,19 @@ impl Schedule {
         }
     }
 
-    /// Moves tenants whose back-off has passed to the ready queue.
-    pub fn wake(&mut self, now: Instant) {
+    /// Moves tenants whose back-off has passed to the ready queue; returns them.
+    pub fn wake(&mut self, now: Instant) -> Vec<usize> {
+        let mut woken = Vec::new();
         for i in 0..self.states.len() {
             if let State::Backoff(until) = self.states[i]
                 && until <= now
             {
                 self.states[i] = State::Ready;
                 self.ready.push_back(i);
+                woken.push(i);
             }
         }
+        woken
     }
 
     /// The next tenant to sweep, marked running.
@@ -312,6 +320,10 @@ impl Schedule {
     }
 }
 
+/// The poll statement in flight: tenants with pending rows and their lag.
+type PollFuture =
+    std::pin::Pin<Box<dyn Future<Output = Result<Vec<(String, i64)>, StoreError>> + Send>>;
+
 /// Runs the scheduler until `shutdown` fires, then drains running sweeps
 /// within `shutdown_grace_ms`.
 pub async fn schedule(relay: Arc<Relay>, shutdown: Shutdown) {
@@ -325,9 +337,7 @@ pub async fn schedule(relay: Arc<Relay>, shutdown: Shutdown) {
     );
     let mut sweeps: JoinSet<SweepOutcome> = JoinSet::new();
     let mut running: HashMap<Id, usize> = HashMap::new();
-    let mut poll: Option<
-        std::pin::Pin<Box<dyn Future<Output = Result<Vec<(String, i64)>, StoreError>> + Send>>,
-    > = None;
+    let mut poll: Option<PollFuture> = None;
     let mut next_poll = Instant::now();
     let mut database_up: Option<bool> = None;
     let mut broker = relay.publisher.watch_connected();
@@ -342,7 +352,13 @@ pub async fn schedule(relay: Arc<Relay>, shutdown: Shutdown) {
             poll = Some(Box::pin(async move { relay.store.pending_tenants().await }));
             next_poll = now + config.poll_interval();
         }
-        schedule.wake(now);
+        for woken in schedule.wake(now) {
+            relay
+                .metrics
+                .tenant_backoff
+                .with_label_values(&[schedule.name(woken)])
+                .set(0.0);
+        }
         if relay.publisher.is_ready() {
             while sweeps.len() < config.concurrency {
                 let Some(tenant) = schedule.next_ready() else {
@@ -355,7 +371,17 @@ pub async fn schedule(relay: Arc<Relay>, shutdown: Shutdown) {
             }
         }
 
-        let wake_at = schedule.next_wake().map_or(next_poll, |w| w.min(next_poll));
+        // While a poll runs, its answer wakes the loop; the next one is not due before.
+        let poll_due = if poll.is_some() {
+            None
+        } else {
+            Some(next_poll)
+        };
+        let wake_at = [schedule.next_wake(), poll_due]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(now + config.poll_interval());
         tokio::select! {
             () = &mut stop => break,
             Some(joined) = sweeps.join_next_with_id() => {

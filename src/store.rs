@@ -395,7 +395,18 @@ async fn deadline<T>(
 #[derive(Debug, Default)]
 pub struct Settlement<'a> {
     pub published: Vec<i64>,
-    pub refused: Option<(i64, &'a str)>,
+    pub refused: Option<Refused<'a>>,
+}
+
+/// The row a sweep stopped at, and why.
+#[derive(Debug, Clone, Copy)]
+pub struct Refused<'a> {
+    pub id: i64,
+    /// Stored in `last_error`: `<reason>: <detail>`, never a payload.
+    pub last_error: &'a str,
+    /// A refusal by the broker (or of the row itself) counts in `attempts`; a
+    /// lost connection does not.
+    pub counts_as_attempt: bool,
 }
 
 /// A tenant held by this relay: an open transaction with the advisory lock and
@@ -434,8 +445,10 @@ impl Claim {
             };
             let refused = async {
                 match settlement.refused {
-                    Some((id, reason)) => {
-                        let params: [&(dyn ToSql + Sync); 2] = [&id, &reason];
+                    Some(refused) => {
+                        let attempts = i32::from(refused.counts_as_attempt);
+                        let params: [&(dyn ToSql + Sync); 3] =
+                            [&refused.id, &refused.last_error, &attempts];
                         client.execute(&record, &params).await
                     }
                     None => Ok(0),

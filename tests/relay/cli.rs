@@ -75,6 +75,9 @@ fn run(env: &[(&str, &str)], args: &[&str]) -> (Option<i32>, String, String) {
     )
 }
 
+/// Environment, arguments, and the text stderr must contain.
+type Case<'a> = (Vec<(&'a str, &'a str)>, Vec<&'a str>, &'a str);
+
 #[test]
 fn each_configuration_error_exits_2_naming_key_and_source_before_connecting() {
     let wires = Tripwires::new();
@@ -90,7 +93,7 @@ fn each_configuration_error_exits_2_naming_key_and_source_before_connecting() {
     let dup_tenants = config_file("tenants = [\"a\", \"b\", \"a\"]\n");
     let in_flight = config_file("tenants = [\"a\"]\nbatch_size = 10\nmax_in_flight = 20\n");
     let unknown_s = unknown.to_str().unwrap();
-    let cases: Vec<(Vec<(&str, &str)>, Vec<&str>, &str)> = vec![
+    let cases: Vec<Case> = vec![
         (vec![], vec![], "tenants is required"),
         (
             vec![],
