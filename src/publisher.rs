@@ -326,8 +326,14 @@ impl Publisher {
         }
     }
 
-    /// Publishes `rows` of `tenant` in order and settles their confirms.
-    pub async fn publish_batch(&self, tenant: &str, rows: &[OutboxRow]) -> BatchReport {
+    /// Publishes `rows` of `tenant` in order and settles their confirms. Stops
+    /// sending once `claim_held` says the tenant's claim is gone.
+    pub async fn publish_batch(
+        &self,
+        tenant: &str,
+        rows: &[OutboxRow],
+        claim_held: &(dyn Fn() -> bool + Sync),
+    ) -> BatchReport {
         let mut report = BatchReport::default();
         let Some(session) = self.session() else {
             report.refuse(
@@ -360,7 +366,7 @@ impl Publisher {
         };
 
         let clean = self
-            .publish_on(&session, &channel, tenant, rows, &mut report)
+            .publish_on(&session, &channel, tenant, rows, claim_held, &mut report)
             .await;
         if clean {
             session.checkin(channel);
@@ -384,6 +390,7 @@ impl Publisher {
         channel: &'a Channel,
         tenant: &str,
         rows: &'a [OutboxRow],
+        claim_held: &(dyn Fn() -> bool + Sync),
         report: &mut BatchReport,
     ) -> bool {
         let mut in_flight: VecDeque<InFlight<'a>> =
@@ -402,7 +409,7 @@ impl Publisher {
                     break 'send;
                 }
             }
-            if report.refusal.is_some() {
+            if report.refusal.is_some() || !claim_held() {
                 break;
             }
             let message = match self.inner.envelope.message(tenant, row) {

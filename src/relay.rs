@@ -141,7 +141,10 @@ impl Relay {
             };
         }
         let count = rows.len();
-        let report = self.publisher.publish_batch(tenant, rows).await;
+        let report = self
+            .publisher
+            .publish_batch(tenant, rows, &|| claim.is_held())
+            .await;
         let published = report.confirmed();
         let refused_id = report.refusal.as_ref().map(|(at, _)| rows[*at].id);
         let refused = report
@@ -307,6 +310,11 @@ impl Schedule {
             .min()
     }
 
+    /// Whether `tenant` is one of the configured tenants.
+    pub fn knows(&self, tenant: &str) -> bool {
+        self.index.contains_key(tenant)
+    }
+
     pub fn has_ready(&self) -> bool {
         !self.ready.is_empty()
     }
@@ -319,6 +327,9 @@ impl Schedule {
         self.names.is_empty()
     }
 }
+
+/// How many distinct unconfigured tenants are warned about (once each).
+const UNCONFIGURED_WARNINGS: usize = 100;
 
 /// The poll statement in flight: tenants with pending rows and their lag.
 type PollFuture =
@@ -340,6 +351,7 @@ pub async fn schedule(relay: Arc<Relay>, shutdown: Shutdown) {
     let mut poll: Option<PollFuture> = None;
     let mut next_poll = Instant::now();
     let mut database_up: Option<bool> = None;
+    let mut unconfigured: std::collections::HashSet<String> = std::collections::HashSet::new();
     let mut broker = relay.publisher.watch_connected();
     let stop = shutdown.clone().fired();
     tokio::pin!(stop);
@@ -411,6 +423,14 @@ pub async fn schedule(relay: Arc<Relay>, shutdown: Shutdown) {
                         for tenant in &config.tenants {
                             let lag = lags.get(tenant.as_str()).copied().unwrap_or(0);
                             relay.metrics.lag_gauge(tenant).set(lag as f64 / 1000.0);
+                        }
+                        for (tenant, _) in &pending {
+                            if !schedule.knows(tenant) && unconfigured.len() < UNCONFIGURED_WARNINGS && unconfigured.insert(tenant.clone()) {
+                                tracing::warn!(
+                                    tenant = %tenant,
+                                    "rows are pending for a tenant this relay is not configured for; they stay pending until a relay lists it in `tenants`"
+                                );
+                            }
                         }
                         schedule.pending(pending.iter().map(|(t, _)| t.as_str()));
                     }

@@ -429,6 +429,13 @@ impl Claim {
         &self.rows
     }
 
+    /// Whether the claim still holds: its connection (and with it the
+    /// transaction and the advisory lock) is open. Once it is not, another
+    /// relay may be publishing the same rows, so this one stops sending.
+    pub fn is_held(&self) -> bool {
+        self.conn.as_ref().is_some_and(|c| !c.is_closed())
+    }
+
     /// Marks the published rows, records a refusal, and commits, in one round
     /// trip. On any error the transaction is abandoned and nothing is marked.
     pub async fn finish(mut self, settlement: Settlement<'_>) -> Result<(), StoreError> {

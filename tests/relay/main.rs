@@ -4,5 +4,7 @@
 
 mod cli;
 mod delivery;
+mod faults;
+mod proxy;
 mod refusals;
 mod support;

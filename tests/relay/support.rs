@@ -237,10 +237,26 @@ impl Received {
     }
 }
 
+/// Tests that publish hold this shared; the one that blocks the whole broker
+/// (memory alarm) holds it exclusively, so it never runs beside them.
+fn broker_lock() -> Arc<tokio::sync::RwLock<()>> {
+    static LOCK: std::sync::OnceLock<Arc<tokio::sync::RwLock<()>>> = std::sync::OnceLock::new();
+    LOCK.get_or_init(|| Arc::new(tokio::sync::RwLock::new(())))
+        .clone()
+}
+
+/// Either side of [`broker_lock`].
+#[allow(dead_code)] // held for its Drop only
+enum BrokerGuard {
+    Shared(tokio::sync::OwnedRwLockReadGuard<()>),
+    Exclusive(tokio::sync::OwnedRwLockWriteGuard<()>),
+}
+
 /// A private topic exchange with a queue and a consumer that records every delivery.
 pub struct Broker {
     pub exchange: String,
     pub queue: String,
+    _guard: BrokerGuard,
     connection: Connection,
     channel: Channel,
     received: Arc<Mutex<Vec<Received>>>,
@@ -250,6 +266,17 @@ pub struct Broker {
 impl Broker {
     /// Declares the exchange and the consumer's queue, bound with `keys`.
     pub async fn create(keys: &[&str]) -> Broker {
+        let guard = BrokerGuard::Shared(broker_lock().read_owned().await);
+        Broker::create_with(keys, guard).await
+    }
+
+    /// As [`Broker::create`], while no other test uses the broker.
+    pub async fn create_exclusive(keys: &[&str]) -> Broker {
+        let guard = BrokerGuard::Exclusive(broker_lock().write_owned().await);
+        Broker::create_with(keys, guard).await
+    }
+
+    async fn create_with(keys: &[&str], guard: BrokerGuard) -> Broker {
         let exchange = unique("x");
         let queue = unique("q");
         let connection = Connection::connect(AMQP_URL, ConnectionProperties::default())
@@ -279,6 +306,7 @@ impl Broker {
         let broker = Broker {
             exchange,
             queue,
+            _guard: guard,
             connection,
             channel,
             received: Arc::new(Mutex::new(Vec::new())),
@@ -515,7 +543,68 @@ pub struct RelayProcess {
     pub log: PathBuf,
 }
 
+/// Environment for a relay binary over this test's table and exchange.
+pub fn relay_env(outbox: &Outbox, broker: &Broker, tenants: &[&str]) -> Vec<(String, String)> {
+    [
+        ("OUTBOX_TENANTS", tenants.join(",")),
+        ("OUTBOX_DATABASE_URL", DATABASE_URL.to_string()),
+        ("OUTBOX_AMQP_URL", AMQP_URL.to_string()),
+        ("OUTBOX_SCHEMA", outbox.schema.clone()),
+        ("OUTBOX_TABLE", outbox.table.clone()),
+        ("OUTBOX_EXCHANGE", broker.exchange.clone()),
+        ("OUTBOX_HTTP_ADDR", "127.0.0.1:0".to_string()),
+        ("OUTBOX_POLL_MS", "50".to_string()),
+        ("OUTBOX_LOG_FORMAT", "json".to_string()),
+        ("OUTBOX_LOG", "info".to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+/// Sets `key` in an environment list, replacing an earlier value.
+pub fn set_env(env: &mut Vec<(String, String)>, key: &str, value: impl Into<String>) {
+    env.retain(|(k, _)| k != key);
+    env.push((key.to_string(), value.into()));
+}
+
+/// A relay binary started with `env`, once it serves HTTP.
+pub async fn spawn_relay(env: &[(String, String)]) -> (RelayProcess, SocketAddr) {
+    let mut command = relay_command();
+    command.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    let mut process = RelayProcess::spawn(command);
+    let mut addr = None;
+    eventually(
+        "the relay binary serves HTTP",
+        Duration::from_secs(20),
+        || {
+            let found = process.started_addr();
+            let exited = process.child.try_wait().ok().flatten();
+            assert!(
+                exited.is_none(),
+                "the relay exited early ({exited:?}):\n{}",
+                process.output()
+            );
+            addr = found;
+            async move { found.is_some() }
+        },
+    )
+    .await;
+    (process, addr.expect("address found"))
+}
+
 impl RelayProcess {
+    /// The HTTP address the relay logged at start.
+    fn started_addr(&self) -> Option<SocketAddr> {
+        self.output().lines().find_map(|line| {
+            let entry: serde_json::Value = serde_json::from_str(line).ok()?;
+            if entry["message"] != "outbox-relay started" {
+                return None;
+            }
+            entry["addr"].as_str()?.parse().ok()
+        })
+    }
+
     pub fn spawn(mut command: Command) -> RelayProcess {
         let log = std::env::temp_dir().join(format!("{}.log", unique("relay")));
         let file = std::fs::File::create(&log).expect("log file");
@@ -572,4 +661,57 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
     text.lines()
         .filter(|line| !line.starts_with('#'))
         .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+/// Checks a history against what was committed: **L** every committed row was
+/// received at least once and is marked published, **O** per tenant the first
+/// occurrences of ids are exactly the committed ids in increasing order.
+/// Returns the number of duplicate deliveries (for **D**).
+pub async fn check_history(
+    outbox: &Outbox,
+    broker: &Broker,
+    committed: &BTreeMap<String, Vec<i64>>,
+    limit: Duration,
+) -> usize {
+    let total: usize = committed.values().map(Vec::len).sum();
+    eventually("L: every committed row marked published", limit, || async {
+        outbox.all_pending().await == 0
+    })
+    .await;
+    eventually(
+        "L: every committed row received",
+        Duration::from_secs(20),
+        || async {
+            broker
+                .received()
+                .iter()
+                .map(|r| r.id)
+                .collect::<std::collections::HashSet<_>>()
+                .len()
+                >= total
+        },
+    )
+    .await;
+    let received = broker.received();
+    for (tenant, ids) in by_tenant(&received) {
+        let mut seen = std::collections::HashSet::new();
+        let firsts: Vec<i64> = ids.into_iter().filter(|id| seen.insert(*id)).collect();
+        let expected = committed
+            .get(&tenant)
+            .unwrap_or_else(|| panic!("unexpected tenant {tenant}"));
+        assert!(
+            firsts.windows(2).all(|w| w[0] < w[1]),
+            "O: {tenant}'s first occurrences are not increasing"
+        );
+        assert_eq!(
+            &firsts, expected,
+            "L/O: {tenant} received exactly its committed rows, in order"
+        );
+    }
+    assert_eq!(
+        committed.len(),
+        by_tenant(&received).len(),
+        "L: every tenant received"
+    );
+    received.len() - total
 }
