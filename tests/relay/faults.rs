@@ -717,3 +717,90 @@ async fn bad_rows_are_refused_plainly() {
     broker.delete().await;
     outbox.drop_schema().await;
 }
+
+/// 10. Unroutable rows for one tenant, an oversized payload for another: only
+/// those two stop, with attempts and last_error; the rest flow; once fixed
+/// (a queue bound, the row repaired) they drain in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_tenants_stop_alone_and_drain_once_fixed() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["big.#", "f00.#", "f01.#", "f02.#"]).await;
+    let mut committed = Committed::new();
+    let big_first = outbox
+        .insert("big", "k", "s", Some(&"x".repeat(4_096)), None)
+        .await;
+    committed.insert("big".into(), vec![big_first]);
+    write_rows(
+        &outbox,
+        &["unroutable".to_string(), "big".to_string()],
+        10,
+        &mut committed,
+    )
+    .await;
+    let flowing = names("f", 3);
+    write_rows(&outbox, &flowing, 40, &mut committed).await;
+    let mut config = config(
+        &outbox,
+        &broker,
+        &["unroutable", "big", "f00", "f01", "f02"],
+    );
+    config.max_payload_bytes = 1_024;
+    config.max_backoff_ms = 300;
+    let relay = start_relay(config).await;
+    for tenant in &flowing {
+        eventually(
+            "the other tenants flow",
+            Duration::from_secs(20),
+            || async { outbox.pending(tenant).await == 0 },
+        )
+        .await;
+    }
+    let unroutable_first = committed["unroutable"][0];
+    eventually(
+        "both refusals recorded",
+        Duration::from_secs(20),
+        || async {
+            outbox.row(unroutable_first).await.attempts >= 1
+                && outbox.row(big_first).await.attempts >= 1
+        },
+    )
+    .await;
+    assert!(
+        outbox
+            .row(unroutable_first)
+            .await
+            .last_error
+            .unwrap()
+            .starts_with("unroutable: ")
+    );
+    assert!(
+        outbox
+            .row(big_first)
+            .await
+            .last_error
+            .unwrap()
+            .starts_with("too_large: ")
+    );
+    assert_eq!(outbox.pending("unroutable").await, 10);
+    assert_eq!(outbox.pending("big").await, 11);
+    let (status, body) = relay.get("/healthz").await;
+    assert_eq!(status, 200, "lag is still within max_lag_ms: {body}");
+    assert!(
+        body.contains("{\"tenant\":\"big\",\"lag_ms\":") && body.contains("\"pending\":true"),
+        "{body}"
+    );
+
+    broker.bind("unroutable.#").await;
+    outbox
+        .execute(&format!(
+            "UPDATE {{outbox}} SET payload = 'small' WHERE id = {big_first}"
+        ))
+        .await;
+    assert_eq!(
+        check_history(&outbox, &broker, &committed, Duration::from_secs(30)).await,
+        0
+    );
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
