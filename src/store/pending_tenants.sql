@@ -18,7 +18,7 @@ SELECT p.tenant_id,
 FROM pending p
 CROSS JOIN LATERAL (
     SELECT o.occurred_at FROM {table} o
-    WHERE o.tenant_id = p.tenant_id AND o.published_at IS NULL
-    ORDER BY o.id LIMIT 1
+    WHERE o.tenant_id >= p.tenant_id AND o.tenant_id <= p.tenant_id AND o.published_at IS NULL
+    ORDER BY o.tenant_id, o.id LIMIT 1
 ) oldest
 WHERE p.tenant_id IS NOT NULL

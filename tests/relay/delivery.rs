@@ -409,3 +409,69 @@ async fn an_unreachable_broker_is_not_fatal_and_not_ready() {
     broker.delete().await;
     outbox.drop_schema().await;
 }
+
+/// The trap MEASURED.md found: many published rows, fresh statistics, the
+/// default `random_page_cost`, and the planner walks the primary key and
+/// filters. The relay's statements must use the partial index regardless,
+/// even with costs that favour anything else and with generic plans.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relays_reads_use_the_partial_index_whatever_the_costs() {
+    let outbox = Outbox::create().await;
+    let table = outbox.qualified();
+    outbox
+        .execute(
+            "INSERT INTO {outbox} (tenant_id, kind, subject_id, payload, published_at)
+             SELECT 'bulk', 'k', 's', repeat('x', 64), now() FROM generate_series(1, 200000);
+             INSERT INTO {outbox} (tenant_id, kind, subject_id, payload)
+             SELECT 'bulk', 'k', 's', repeat('x', 64) FROM generate_series(1, 200000);
+             ANALYZE {outbox};",
+        )
+        .await;
+    let statements = [
+        include_str!("../../src/store/read_batch.sql").replace("{table}", &table),
+        include_str!("../../src/store/pending_tenants.sql").replace("{table}", &table),
+        include_str!("../../src/store/tenant_lag.sql").replace("{table}", &table),
+    ];
+    let client = &outbox.client;
+    for settings in [
+        "RESET ALL",
+        "SET random_page_cost = 100; SET seq_page_cost = 0.01; SET cpu_tuple_cost = 0",
+        "SET plan_cache_mode = force_generic_plan",
+    ] {
+        client.batch_execute("RESET ALL").await.unwrap();
+        client.batch_execute(settings).await.unwrap();
+        for (n, sql) in statements.iter().enumerate() {
+            let params = match n {
+                0 => "('bulk', 256)",
+                1 => "",
+                _ => "(ARRAY['bulk', 'other'])",
+            };
+            let name = format!("plan_{n}");
+            client
+                .batch_execute(&format!("DEALLOCATE ALL; PREPARE {name} AS {sql}"))
+                .await
+                .unwrap();
+            let plan: Vec<String> = client
+                .query(&format!("EXPLAIN EXECUTE {name}{params}"), &[])
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect();
+            let plan = plan.join("\n");
+            assert!(
+                plan.contains("outbox_message_pending"),
+                "{settings}: statement {n} ignores the partial index:\n{plan}"
+            );
+            assert!(
+                !plan.contains("outbox_message_pkey"),
+                "{settings}: statement {n} walks the primary key:\n{plan}"
+            );
+            assert!(
+                !plan.contains("Seq Scan"),
+                "{settings}: statement {n} scans the table:\n{plan}"
+            );
+        }
+    }
+    outbox.drop_schema().await;
+}
