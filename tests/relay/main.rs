@@ -4,6 +4,7 @@
 
 mod cli;
 mod delivery;
+mod deploy;
 mod faults;
 mod proxy;
 mod refusals;

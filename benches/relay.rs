@@ -1,0 +1,847 @@
+//! `cargo bench --bench relay`: the relay against the local PostgreSQL and
+//! RabbitMQ, each figure beside its ceiling measured in the same run.
+//!
+//! Scenarios (each in its own schema, exchange and queue, in database
+//! `outbox_bench`):
+//! 1. ceiling — the broker alone (the same messages published straight to the
+//!    exchange, pipelined with confirms, window `max_in_flight`, sends issued
+//!    without awaiting each) and the database alone (the relay's own claim +
+//!    read + mark + commit, no broker);
+//! 2. drain — N rows for 1 and for 100 tenants, 1 and 3 relay processes;
+//! 3. steady — a writer at a fixed rate; delay from `occurred_at` to receipt;
+//! 4. idle — 1,000 tenants, no rows: transactions per poll, CPU, peak RSS;
+//! 5. drain with 4 KiB payloads.
+//!
+//! Knobs (environment): BENCH_ROWS (100000), BENCH_RUNS (3), BENCH_RATE
+//! (1000 rows/s), BENCH_STEADY_SECS (20), BENCH_IDLE_SECS (10), BENCH_ONLY
+//! (comma-separated scenario names), plus OUTBOX_BATCH_SIZE,
+//! OUTBOX_MAX_IN_FLIGHT, OUTBOX_CONCURRENCY, OUTBOX_POLL_MS passed to the
+//! relays. Results: a table on stdout and `target/bench-relay.json`.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::Poll;
+use std::time::{Duration, Instant, SystemTime};
+
+use futures_util::StreamExt;
+use futures_util::future::{MaybeDone, maybe_done};
+use lapin::options::{
+    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
+    ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
+};
+use outbox_relay::config::Config;
+use outbox_relay::store::{Settlement, Store};
+use serde_json::json;
+use tokio_postgres::NoTls;
+
+const ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+const BENCH_DB: &str = "outbox_bench";
+const DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/outbox_bench";
+const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+fn env_num(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn relay_knob(name: &str, default: u64) -> u64 {
+    env_num(name, default)
+}
+
+struct Knobs {
+    rows: u64,
+    runs: usize,
+    rate: u64,
+    steady: Duration,
+    idle: Duration,
+    only: Option<Vec<String>>,
+    batch_size: u64,
+    max_in_flight: u64,
+    poll_ms: u64,
+}
+
+impl Knobs {
+    fn from_env() -> Knobs {
+        let batch_size = relay_knob("OUTBOX_BATCH_SIZE", 256);
+        Knobs {
+            rows: env_num("BENCH_ROWS", 100_000),
+            runs: env_num("BENCH_RUNS", 3) as usize,
+            rate: env_num("BENCH_RATE", 1_000),
+            steady: Duration::from_secs(env_num("BENCH_STEADY_SECS", 20)),
+            idle: Duration::from_secs(env_num("BENCH_IDLE_SECS", 10)),
+            only: std::env::var("BENCH_ONLY")
+                .ok()
+                .map(|v| v.split(',').map(str::to_string).collect()),
+            batch_size,
+            max_in_flight: relay_knob("OUTBOX_MAX_IN_FLIGHT", batch_size),
+            poll_ms: relay_knob("OUTBOX_POLL_MS", 200),
+        }
+    }
+
+    fn wants(&self, scenario: &str) -> bool {
+        self.only
+            .as_ref()
+            .is_none_or(|o| o.iter().any(|s| s == scenario))
+    }
+}
+
+fn unique(prefix: &str) -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    format!(
+        "{prefix}_{}_{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+async fn pg(url: &str) -> tokio_postgres::Client {
+    let (client, connection) = tokio_postgres::connect(url, NoTls)
+        .await
+        .expect("PostgreSQL is reachable");
+    tokio::spawn(connection);
+    client
+}
+
+/// A schema with the relay's table, in the bench database.
+struct Table {
+    schema: String,
+    client: tokio_postgres::Client,
+}
+
+impl Table {
+    async fn create() -> Table {
+        let schema = unique("b");
+        let mut config = Config::with_tenants(["bench"]);
+        config.database_url = DATABASE_URL.into();
+        config.schema = schema.clone();
+        let store = Store::new(&config).expect("store");
+        outbox_relay::migrate::run(&store, &config)
+            .await
+            .expect("migrate");
+        Table {
+            schema,
+            client: pg(DATABASE_URL).await,
+        }
+    }
+
+    fn qualified(&self) -> String {
+        format!("\"{}\".outbox_message", self.schema)
+    }
+
+    /// `rows` rows spread round-robin over `tenants`, payloads of `size` bytes.
+    async fn fill(&self, tenants: &[String], rows: u64, size: usize) {
+        let sql = format!(
+            "INSERT INTO {} (tenant_id, kind, subject_id, payload)
+             SELECT ($1::text[])[1 + (g % cardinality($1::text[]))], 'thing.changed', 's-' || g, repeat('x', $2)
+             FROM generate_series(0, $3::bigint - 1) g",
+            self.qualified()
+        );
+        let size = size as i32;
+        self.client
+            .execute(&sql, &[&tenants, &size, &(rows as i64)])
+            .await
+            .expect("fill");
+        self.client
+            .batch_execute(&format!("ANALYZE {}", self.qualified()))
+            .await
+            .expect("analyze");
+    }
+
+    async fn pending(&self) -> i64 {
+        let sql = format!(
+            "SELECT count(*) FROM {} WHERE published_at IS NULL",
+            self.qualified()
+        );
+        self.client
+            .query_one(&sql, &[])
+            .await
+            .expect("count")
+            .get(0)
+    }
+
+    async fn drop(self) {
+        let _ = self
+            .client
+            .batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", self.schema))
+            .await;
+    }
+}
+
+/// What a consumer saw: arrival times and, from the header, occurred_at.
+#[derive(Default)]
+struct Arrivals {
+    count: usize,
+    first: Option<Instant>,
+    last: Option<Instant>,
+    delays_ms: Vec<f64>,
+}
+
+/// A durable topic exchange bound to a durable queue with a consumer.
+struct Exchange {
+    name: String,
+    queue: String,
+    connection: Connection,
+    channel: Channel,
+    arrivals: Arc<Mutex<Arrivals>>,
+}
+
+impl Exchange {
+    async fn create(record_delay: bool) -> Exchange {
+        let name = unique("bx");
+        let queue = unique("bq");
+        let connection = Connection::connect(AMQP_URL, ConnectionProperties::default())
+            .await
+            .expect("RabbitMQ is reachable");
+        let channel = connection.create_channel().await.expect("channel");
+        channel
+            .exchange_declare(
+                name.as_str().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("exchange");
+        channel
+            .queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("queue");
+        channel
+            .queue_bind(
+                queue.as_str().into(),
+                name.as_str().into(),
+                "#".into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("bind");
+        let arrivals = Arc::new(Mutex::new(Arrivals::default()));
+        let consumer_channel = connection.create_channel().await.expect("channel");
+        let mut consumer = consumer_channel
+            .basic_consume(
+                queue.as_str().into(),
+                "bench".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("consume");
+        let sink = arrivals.clone();
+        tokio::spawn(async move {
+            let _keep = consumer_channel;
+            while let Some(Ok(delivery)) = consumer.next().await {
+                let now = Instant::now();
+                let delay = record_delay
+                    .then(|| occurred_delay_ms(&delivery.properties))
+                    .flatten();
+                let mut a = sink.lock().unwrap();
+                a.count += 1;
+                a.first.get_or_insert(now);
+                a.last = Some(now);
+                if let Some(d) = delay {
+                    a.delays_ms.push(d);
+                }
+            }
+        });
+        Exchange {
+            name,
+            queue,
+            connection,
+            channel,
+            arrivals,
+        }
+    }
+
+    fn count(&self) -> usize {
+        self.arrivals.lock().unwrap().count
+    }
+
+    async fn wait_for(&self, n: usize, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        while self.count() < n {
+            if Instant::now() > deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        true
+    }
+
+    /// Messages per second between the first and the last arrival.
+    fn rate(&self) -> f64 {
+        let a = self.arrivals.lock().unwrap();
+        match (a.first, a.last) {
+            (Some(f), Some(l)) if a.count > 1 => {
+                (a.count - 1) as f64 / l.duration_since(f).as_secs_f64()
+            }
+            _ => 0.0,
+        }
+    }
+
+    async fn delete(self) {
+        let _ = self
+            .channel
+            .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
+        let _ = self
+            .channel
+            .exchange_delete(self.name.as_str().into(), ExchangeDeleteOptions::default())
+            .await;
+        let _ = self.connection.close(200, "done".into()).await;
+    }
+}
+
+fn occurred_delay_ms(properties: &BasicProperties) -> Option<f64> {
+    let headers = properties.headers().as_ref()?;
+    let AMQPValue::LongString(text) = headers.inner().get("outbox-occurred-at")? else {
+        return None;
+    };
+    let text = std::str::from_utf8(text.as_bytes()).ok()?;
+    let occurred =
+        time::OffsetDateTime::parse(text, &time::format_description::well_known::Rfc3339).ok()?;
+    let now = time::OffsetDateTime::from(SystemTime::now());
+    Some((now - occurred).as_seconds_f64() * 1000.0)
+}
+
+/// The relay binary (release profile under `cargo bench`).
+struct RelayProcess(Child);
+
+impl RelayProcess {
+    fn spawn(table: &Table, exchange: &Exchange, tenants: &[String]) -> RelayProcess {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
+        for (name, _) in std::env::vars() {
+            if name.starts_with("OUTBOX_")
+                && !matches!(
+                    name.as_str(),
+                    "OUTBOX_BATCH_SIZE"
+                        | "OUTBOX_MAX_IN_FLIGHT"
+                        | "OUTBOX_CONCURRENCY"
+                        | "OUTBOX_POLL_MS"
+                )
+            {
+                command.env_remove(name);
+            }
+        }
+        command
+            .env("OUTBOX_TENANTS", tenants.join(","))
+            .env("OUTBOX_DATABASE_URL", DATABASE_URL)
+            .env("OUTBOX_AMQP_URL", AMQP_URL)
+            .env("OUTBOX_SCHEMA", &table.schema)
+            .env("OUTBOX_EXCHANGE", &exchange.name)
+            .env("OUTBOX_HTTP_ADDR", "127.0.0.1:0")
+            .env("OUTBOX_LOG", "warn")
+            .env("OUTBOX_LOG_FORMAT", "json")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        RelayProcess(command.spawn().expect("the relay binary starts"))
+    }
+
+    /// User + system CPU seconds so far.
+    fn cpu_seconds(&self) -> f64 {
+        let stat =
+            std::fs::read_to_string(format!("/proc/{}/stat", self.0.id())).unwrap_or_default();
+        let fields: Vec<&str> = stat
+            .rsplit(')')
+            .next()
+            .unwrap_or_default()
+            .split_whitespace()
+            .collect();
+        let ticks = |i: usize| {
+            fields
+                .get(i)
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        // After the command name: state is field 3 (index 0); utime 14, stime 15.
+        (ticks(11) + ticks(12)) / 100.0
+    }
+
+    /// Peak resident set size, MiB.
+    fn peak_rss_mib(&self) -> f64 {
+        let status =
+            std::fs::read_to_string(format!("/proc/{}/status", self.0.id())).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+            .map_or(0.0, |kib| kib / 1024.0)
+    }
+
+    fn stop(mut self) {
+        let _ = Command::new("kill")
+            .arg("-TERM")
+            .arg(self.0.id().to_string())
+            .status();
+        let _ = self.0.wait();
+    }
+}
+
+fn tenants(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("t{i:04}")).collect()
+}
+
+fn payload_properties(id: i64) -> BasicProperties {
+    let mut headers = FieldTable::default();
+    headers.insert("outbox-id".into(), AMQPValue::LongLongInt(id));
+    headers.insert(
+        "outbox-tenant-id".into(),
+        AMQPValue::LongString(LongString::from("t0000")),
+    );
+    headers.insert(
+        "outbox-subject-id".into(),
+        AMQPValue::LongString(LongString::from(format!("s-{id}"))),
+    );
+    headers.insert(
+        "outbox-occurred-at".into(),
+        AMQPValue::LongString(LongString::from("2026-11-30T09:00:00.000000Z")),
+    );
+    BasicProperties::default()
+        .with_message_id(id.to_string().into())
+        .with_type("thing.changed".into())
+        .with_timestamp(1_796_000_000)
+        .with_delivery_mode(2)
+        .with_content_type("application/json".into())
+        .with_app_id("outbox-relay".into())
+        .with_headers(headers)
+}
+
+type Confirm<'a> =
+    Pin<Box<MaybeDone<Pin<Box<dyn Future<Output = lapin::Result<Confirmation>> + Send + 'a>>>>>;
+
+/// The broker alone: `rows` messages, windows of `window`, each window's
+/// publishes issued without awaiting each send, then its confirms awaited.
+async fn broker_ceiling(rows: u64, size: usize, window: usize) -> f64 {
+    let exchange = Exchange::create(false).await;
+    let connection = Connection::connect(AMQP_URL, ConnectionProperties::default())
+        .await
+        .expect("connect");
+    let channel = connection.create_channel().await.expect("channel");
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirms");
+    let body = vec![b'x'; size];
+    let mut id = 0i64;
+    while (id as u64) < rows {
+        let mut confirms: Vec<Confirm<'_>> = Vec::with_capacity(window);
+        for _ in 0..window.min((rows - id as u64) as usize) {
+            id += 1;
+            let send = channel.basic_publish(
+                exchange.name.as_str().into(),
+                "t0000.thing.changed".into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                },
+                &body,
+                payload_properties(id),
+            );
+            let publish: Pin<Box<dyn Future<Output = lapin::Result<Confirmation>> + Send + '_>> =
+                Box::pin(async move { send.await?.await });
+            let mut confirm = Box::pin(maybe_done(publish));
+            let _: Poll<()> =
+                std::future::poll_fn(|cx| Poll::Ready(confirm.as_mut().poll(cx))).await;
+            confirms.push(confirm);
+        }
+        for mut confirm in confirms {
+            confirm.as_mut().await;
+            let result = confirm.as_mut().take_output().expect("done");
+            assert!(
+                matches!(result, Ok(Confirmation::Ack(None))),
+                "ceiling publish refused: {result:?}"
+            );
+        }
+    }
+    assert!(
+        exchange
+            .wait_for(rows as usize, Duration::from_secs(120))
+            .await,
+        "ceiling: not all messages arrived"
+    );
+    let rate = exchange.rate();
+    let _ = connection.close(200, "done".into()).await;
+    exchange.delete().await;
+    rate
+}
+
+/// The database alone: the relay's claim + read + mark + commit over `rows` rows of one tenant.
+async fn database_ceiling(rows: u64, size: usize, batch_size: u64) -> f64 {
+    let table = Table::create().await;
+    let names = tenants(1);
+    table.fill(&names, rows, size).await;
+    let mut config = Config::with_tenants(names.clone());
+    config.database_url = DATABASE_URL.into();
+    config.schema = table.schema.clone();
+    config.batch_size = batch_size as usize;
+    let store = Store::new(&config).expect("store");
+    let started = Instant::now();
+    let mut done = 0u64;
+    loop {
+        let claim = store.claim(&names[0]).await.expect("claim").expect("taken");
+        let ids: Vec<i64> = claim.rows().iter().map(|r| r.id).collect();
+        if ids.is_empty() {
+            claim.rollback().await.expect("rollback");
+            break;
+        }
+        done += ids.len() as u64;
+        claim
+            .finish(Settlement {
+                published: ids,
+                refused: None,
+            })
+            .await
+            .expect("finish");
+    }
+    let rate = done as f64 / started.elapsed().as_secs_f64();
+    table.drop().await;
+    rate
+}
+
+/// N rows over `tenant_count` tenants, drained by `relays` relay processes.
+async fn drain(rows: u64, size: usize, tenant_count: usize, relays: usize) -> f64 {
+    let table = Table::create().await;
+    let exchange = Exchange::create(false).await;
+    let names = tenants(tenant_count);
+    table.fill(&names, rows, size).await;
+    let processes: Vec<RelayProcess> = (0..relays)
+        .map(|_| RelayProcess::spawn(&table, &exchange, &names))
+        .collect();
+    let arrived = exchange
+        .wait_for(rows as usize, Duration::from_secs(600))
+        .await;
+    assert!(arrived, "drain: {} of {rows} arrived", exchange.count());
+    let rate = exchange.rate();
+    if std::env::var_os("BENCH_VERBOSE").is_some() {
+        let cpu: f64 = processes.iter().map(RelayProcess::cpu_seconds).sum();
+        eprintln!(
+            "  drain {tenant_count}x{relays}: relay CPU {:.1} µs per message",
+            cpu * 1e6 / rows as f64
+        );
+    }
+    for p in processes {
+        p.stop();
+    }
+    assert_eq!(table.pending().await, 0, "drain: every row marked");
+    exchange.delete().await;
+    table.drop().await;
+    rate
+}
+
+/// A writer at `rate` rows/s over 10 tenants for `duration`; delays in ms.
+async fn steady(rate: u64, duration: Duration) -> Vec<f64> {
+    let table = Table::create().await;
+    let exchange = Exchange::create(true).await;
+    let names = tenants(10);
+    let relay = RelayProcess::spawn(&table, &exchange, &names);
+    tokio::time::sleep(Duration::from_millis(500)).await; // let the relay connect before the clock starts
+    let writers: Vec<tokio_postgres::Client> =
+        futures_util::future::join_all((0..4).map(|_| pg(DATABASE_URL))).await;
+    let insert = format!(
+        "INSERT INTO {} (tenant_id, kind, subject_id, payload) VALUES ($1, 'thing.changed', 's', $2)",
+        table.qualified()
+    );
+    let payload = "x".repeat(256);
+    let total = rate * duration.as_secs();
+    let interval = Duration::from_secs_f64(1.0 / rate as f64);
+    let started = tokio::time::Instant::now();
+    let mut tasks = Vec::new();
+    let writers = Arc::new(writers);
+    for i in 0..total {
+        tokio::time::sleep_until(started + interval * i as u32).await;
+        let writers = writers.clone();
+        let tenant = names[(i % 10) as usize].clone();
+        let insert = insert.clone();
+        let payload = payload.clone();
+        tasks.push(tokio::spawn(async move {
+            writers[(i % 4) as usize]
+                .execute(&insert, &[&tenant, &payload])
+                .await
+                .expect("insert");
+        }));
+    }
+    for t in tasks {
+        t.await.expect("writer");
+    }
+    assert!(
+        exchange
+            .wait_for(total as usize, Duration::from_secs(60))
+            .await,
+        "steady: not all arrived"
+    );
+    relay.stop();
+    let delays = std::mem::take(&mut exchange.arrivals.lock().unwrap().delays_ms);
+    exchange.delete().await;
+    table.drop().await;
+    delays
+}
+
+/// 1,000 idle tenants: (transactions per poll interval, CPU seconds over
+/// `duration`, peak RSS MiB). Measured differentially: the relay runs once for
+/// 2 s and once for 2 s + `duration`, and each run is counted from before it
+/// starts to after it exits (its backends flush their statistics then), so
+/// start-up cancels out and no statistics are still in flight.
+async fn idle(duration: Duration, poll_ms: u64) -> (f64, f64, f64) {
+    let table = Table::create().await;
+    let exchange = Exchange::create(false).await;
+    let names = tenants(1_000);
+    let admin = pg(ADMIN_URL).await;
+    let xacts = || async {
+        let _ = admin.batch_execute("SELECT pg_stat_clear_snapshot()").await;
+        let row = admin
+            .query_one(
+                "SELECT xact_commit + xact_rollback FROM pg_stat_database WHERE datname = $1",
+                &[&BENCH_DB],
+            )
+            .await
+            .expect("stats");
+        row.get::<_, i64>(0)
+    };
+    let run = |length: Duration| {
+        let (table, exchange, names) = (&table, &exchange, &names);
+        async move {
+            tokio::time::sleep(Duration::from_millis(1_500)).await; // earlier statistics land first
+            let before = xacts().await;
+            let started = Instant::now();
+            let relay = RelayProcess::spawn(table, exchange, names);
+            tokio::time::sleep(length).await;
+            let cpu = relay.cpu_seconds();
+            let rss = relay.peak_rss_mib();
+            relay.stop();
+            let ran = started.elapsed();
+            tokio::time::sleep(Duration::from_millis(1_500)).await;
+            ((xacts().await - before) as f64, ran, cpu, rss)
+        }
+    };
+    let (short_tx, short_ran, short_cpu, _) = run(Duration::from_secs(2)).await;
+    let (long_tx, long_ran, long_cpu, rss) = run(Duration::from_secs(2) + duration).await;
+    let polls = (long_ran - short_ran).as_millis() as f64 / poll_ms as f64;
+    exchange.delete().await;
+    table.drop().await;
+    ((long_tx - short_tx) / polls, long_cpu - short_cpu, rss)
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(|a, b| a.total_cmp(b));
+    let n = values.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    }
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[rank.min(sorted.len() - 1)]
+}
+
+/// One figure over several runs.
+struct Figure {
+    runs: Vec<f64>,
+}
+
+impl Figure {
+    fn median(&self) -> f64 {
+        median(&mut self.runs.clone())
+    }
+    fn spread(&self) -> (f64, f64) {
+        let min = self.runs.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = self.runs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        (min, max)
+    }
+}
+
+async fn repeat<F, Fut>(runs: usize, mut f: F) -> Figure
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = f64>,
+{
+    let mut figure = Figure { runs: Vec::new() };
+    for _ in 0..runs {
+        figure.runs.push(f().await);
+    }
+    figure
+}
+
+struct Report {
+    json: BTreeMap<String, serde_json::Value>,
+}
+
+impl Report {
+    fn add(&mut self, name: &str, unit: &str, figure: &Figure, ceiling: Option<(&str, f64)>) {
+        let (min, max) = figure.spread();
+        let median = figure.median();
+        let ratio = ceiling
+            .map(|(label, c)| format!("{:.2} × {label}", median / c))
+            .unwrap_or_default();
+        println!("{name:<44} {median:>12.1} {unit:<8} [{min:.1} – {max:.1}]  {ratio}");
+        self.json.insert(
+            name.into(),
+            json!({"median": median, "min": min, "max": max, "unit": unit, "runs": figure.runs,
+                   "ratio": ceiling.map(|(_, c)| median / c), "ceiling": ceiling.map(|(l, _)| l)}),
+        );
+    }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    // `cargo bench` passes `--bench`; nothing else is taken from the command line.
+    let knobs = Knobs::from_env();
+    let admin = pg(ADMIN_URL).await;
+    let exists = admin
+        .query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&BENCH_DB])
+        .await
+        .expect("query")
+        .is_some();
+    if !exists {
+        admin
+            .batch_execute(&format!("CREATE DATABASE {BENCH_DB}"))
+            .await
+            .expect("create the bench database");
+    }
+    let rows = knobs.rows;
+    let window = knobs.max_in_flight as usize;
+    println!(
+        "outbox-relay benchmark — {} — rows {rows}, runs {}, batch_size {}, max_in_flight {window}, poll_ms {}",
+        time::OffsetDateTime::now_utc().date(),
+        knobs.runs,
+        knobs.batch_size,
+        knobs.poll_ms
+    );
+    println!(
+        "{:<44} {:>12} {:<8} {:<17}  ratio (median / ceiling median)",
+        "figure", "median", "unit", "[min – max]"
+    );
+    let mut report = Report {
+        json: BTreeMap::new(),
+    };
+    let runs = knobs.runs;
+
+    let mut broker_256 = None;
+    if knobs.wants("ceiling") || knobs.wants("drain") {
+        let f = repeat(runs, || broker_ceiling(rows, 256, window)).await;
+        broker_256 = Some(f.median());
+        report.add("ceiling: broker alone, 256 B", "msg/s", &f, None);
+        let f = repeat(runs, || database_ceiling(rows, 256, knobs.batch_size)).await;
+        report.add(
+            "ceiling: database alone (claim+read+mark), 256 B",
+            "rows/s",
+            &f,
+            None,
+        );
+    }
+    if knobs.wants("drain") {
+        let ceiling = broker_256.expect("measured above");
+        for (tenants, relays) in [(1, 1), (1, 3), (100, 1), (100, 3)] {
+            let f = repeat(runs, || drain(rows, 256, tenants, relays)).await;
+            let name = format!("drain: {tenants} tenant(s), {relays} relay(s), 256 B");
+            report.add(&name, "msg/s", &f, Some(("broker", ceiling)));
+        }
+    }
+    if knobs.wants("steady") {
+        let mut p = BTreeMap::<&str, Vec<f64>>::new();
+        for _ in 0..runs {
+            let mut delays = steady(knobs.rate, knobs.steady).await;
+            delays.sort_by(|a, b| a.total_cmp(b));
+            for (label, q) in [("p50", 50.0), ("p95", 95.0), ("p99", 99.0), ("max", 100.0)] {
+                p.entry(label).or_default().push(percentile(&delays, q));
+            }
+        }
+        let target = knobs.poll_ms as f64 + 20.0;
+        for (label, values) in p {
+            let name = format!("steady {}/s over 10 tenants: delay {label}", knobs.rate);
+            report.add(
+                &name,
+                "ms",
+                &Figure { runs: values },
+                Some(("(poll_ms + 20 ms)", target)),
+            );
+        }
+    }
+    if knobs.wants("idle") {
+        let mut tx = Vec::new();
+        let mut cpu = Vec::new();
+        let mut rss = Vec::new();
+        for _ in 0..runs {
+            let (t, c, r) = idle(knobs.idle, knobs.poll_ms).await;
+            tx.push(t);
+            cpu.push(c);
+            rss.push(r);
+        }
+        report.add(
+            "idle, 1000 tenants: transactions per poll",
+            "tx",
+            &Figure { runs: tx },
+            None,
+        );
+        report.add(
+            &format!(
+                "idle, 1000 tenants: CPU seconds in {} s",
+                knobs.idle.as_secs()
+            ),
+            "s",
+            &Figure { runs: cpu },
+            None,
+        );
+        report.add(
+            "idle, 1000 tenants: peak RSS",
+            "MiB",
+            &Figure { runs: rss },
+            None,
+        );
+    }
+    if knobs.wants("drain4k") {
+        let f = repeat(runs, || broker_ceiling(rows, 4096, window)).await;
+        let ceiling = f.median();
+        report.add("ceiling: broker alone, 4 KiB", "msg/s", &f, None);
+        for (tenants, relays) in [(1, 1), (100, 3)] {
+            let f = repeat(runs, || drain(rows, 4096, tenants, relays)).await;
+            let name = format!("drain: {tenants} tenant(s), {relays} relay(s), 4 KiB");
+            report.add(&name, "msg/s", &f, Some(("broker 4 KiB", ceiling)));
+        }
+    }
+
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-relay.json");
+    let document = json!({
+        "date": time::OffsetDateTime::now_utc().date().to_string(),
+        "knobs": {"rows": rows, "runs": runs, "batch_size": knobs.batch_size, "max_in_flight": knobs.max_in_flight, "poll_ms": knobs.poll_ms, "rate": knobs.rate},
+        "figures": report.json,
+    });
+    std::fs::write(
+        &path,
+        serde_json::to_string_pretty(&document).expect("json"),
+    )
+    .expect("write the JSON report");
+    println!("\nJSON: {}", path.display());
+}
