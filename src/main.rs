@@ -180,7 +180,7 @@ fn main() -> ExitCode {
     telemetry::init(loaded.config.log_format, &loaded.config.log);
     warn_unknown_env(&loaded);
 
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
+    let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
     {

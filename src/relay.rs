@@ -240,9 +240,17 @@ impl Schedule {
         &self.names[tenant]
     }
 
-    /// The poll found rows pending for these tenants.
-    pub fn pending<'a>(&mut self, tenants: impl IntoIterator<Item = &'a str>) {
-        for name in tenants {
+    /// The poll found rows pending for these tenants. They join the ready
+    /// queue starting at `offset` in the poll's order (and wrapping), so
+    /// replicas that see the same list do not all reach for the same tenant first.
+    pub fn pending<'a>(&mut self, tenants: impl IntoIterator<Item = &'a str>, offset: usize) {
+        let tenants: Vec<&str> = tenants.into_iter().collect();
+        let start = if tenants.is_empty() {
+            0
+        } else {
+            offset % tenants.len()
+        };
+        for name in tenants[start..].iter().chain(&tenants[..start]).copied() {
             if let Some(&i) = self.index.get(name)
                 && self.states[i] == State::Idle
             {
@@ -432,7 +440,7 @@ pub async fn schedule(relay: Arc<Relay>, shutdown: Shutdown) {
                                 );
                             }
                         }
-                        schedule.pending(pending.iter().map(|(t, _)| t.as_str()));
+                        schedule.pending(pending.iter().map(|(t, _)| t.as_str()), random_offset());
                     }
                     Err(error) => {
                         if database_up != Some(false) {
@@ -449,6 +457,23 @@ pub async fn schedule(relay: Arc<Relay>, shutdown: Shutdown) {
     }
 
     drain(&relay, &mut sweeps, &mut running, &schedule).await;
+}
+
+/// A random number, fresh each call (no state, no extra dependency).
+fn random_offset() -> usize {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(
+        u64::try_from(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_nanos()
+                & u128::from(u64::MAX),
+        )
+        .unwrap_or(0),
+    );
+    usize::try_from(hasher.finish() % (usize::MAX as u64)).unwrap_or(0)
 }
 
 /// Lets running sweeps finish within the grace period, then abandons them
@@ -527,12 +552,12 @@ mod tests {
     #[test]
     fn pending_tenants_become_ready_once_in_poll_order() {
         let mut s = schedule(3);
-        s.pending(["t2", "t0", "t2", "unknown"]);
+        s.pending(["t2", "t0", "t2", "unknown"], 0);
         assert_eq!(s.next_ready(), Some(2));
         assert_eq!(s.next_ready(), Some(0));
         assert_eq!(s.next_ready(), None);
         // Running tenants are not queued again by a poll.
-        s.pending(["t2"]);
+        s.pending(["t2"], 0);
         assert_eq!(s.next_ready(), None);
     }
 
@@ -540,7 +565,7 @@ mod tests {
     fn a_full_batch_goes_to_the_back_of_the_queue() {
         let mut s = schedule(3);
         let now = Instant::now();
-        s.pending(["t0", "t1", "t2"]);
+        s.pending(["t0", "t1", "t2"], 0);
         let first = s.next_ready().unwrap();
         assert_eq!(
             s.finished(first, OutcomeLabel::Published, now),
@@ -559,7 +584,7 @@ mod tests {
     fn a_failing_tenant_backs_off_alone_and_doubles() {
         let mut s = schedule(2);
         let now = Instant::now();
-        s.pending(["t0", "t1"]);
+        s.pending(["t0", "t1"], 0);
         let t0 = s.next_ready().unwrap();
         assert_eq!(
             s.finished(t0, OutcomeLabel::Failed, now),
@@ -567,7 +592,7 @@ mod tests {
         );
         assert_eq!(s.next_ready(), Some(1), "the other tenant is not held up");
         s.finished(1, OutcomeLabel::Idle, now);
-        s.pending(["t0"]);
+        s.pending(["t0"], 0);
         assert_eq!(
             s.next_ready(),
             None,
@@ -610,13 +635,25 @@ mod tests {
     }
 
     #[test]
+    fn replicas_start_at_different_tenants() {
+        let mut s = schedule(4);
+        s.pending(["t0", "t1", "t2", "t3"], 6);
+        let order: Vec<usize> = std::iter::from_fn(|| s.next_ready()).collect();
+        assert_eq!(
+            order,
+            [2, 3, 0, 1],
+            "rotated by the offset, every tenant once"
+        );
+    }
+
+    #[test]
     fn skipped_tenants_wait_for_the_next_poll() {
         let mut s = schedule(1);
-        s.pending(["t0"]);
+        s.pending(["t0"], 0);
         let t = s.next_ready().unwrap();
         s.finished(t, OutcomeLabel::Skipped, Instant::now());
         assert!(!s.has_ready());
-        s.pending(["t0"]);
+        s.pending(["t0"], 0);
         assert_eq!(s.next_ready(), Some(0));
     }
 }

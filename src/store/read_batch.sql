@@ -1,4 +1,5 @@
--- The tenant's oldest pending rows, in outbox order. $1 = tenant, $2 = batch size.
+-- The tenant's oldest pending rows, in outbox order, if this transaction holds
+-- the tenant (see claim.sql). $1 = tenant, $2 = batch size.
 --
 -- `tenant_id` is bounded by a range rather than `=`, and the order is written as
 -- (tenant_id, id): only the partial index (tenant_id, id) WHERE published_at IS
@@ -8,6 +9,7 @@
 -- the primary key's order is just as good to it.)
 SELECT id, kind, subject_id, payload::text, headers::jsonb, occurred_at
 FROM {table}
-WHERE tenant_id >= $1 AND tenant_id <= $1 AND published_at IS NULL
+WHERE current_setting('outbox_relay.claimed', true) = 'true'
+  AND tenant_id >= $1 AND tenant_id <= $1 AND published_at IS NULL
 ORDER BY tenant_id, id
 LIMIT $2
