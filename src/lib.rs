@@ -14,7 +14,7 @@
 //!    marks the confirmed prefix and records a refusal, and commits.
 //! 4. [`http`] serves lag, liveness, readiness and [`metrics`]; [`telemetry`]
 //!    writes the logs; [`shutdown`] drains sweeps on SIGTERM; [`migrate`]
-//!    creates the table.
+//!    creates the table; [`status`] is the operator's view from the database.
 #![forbid(unsafe_code)]
 
 pub mod backoff;
@@ -27,6 +27,7 @@ pub mod publisher;
 pub mod redact;
 pub mod relay;
 pub mod shutdown;
+pub mod status;
 pub mod store;
 pub mod telemetry;
 pub mod template;

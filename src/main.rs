@@ -34,6 +34,13 @@ enum Command {
     Migrate,
     /// Print the effective configuration (secrets redacted) and exit.
     CheckConfig,
+    /// Print each tenant's pending rows, lag and blocking row; exit 1 when any
+    /// tenant is past max_lag_ms.
+    Status {
+        /// JSON for scripts instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// One flag per configuration key; each overrides file and environment.
@@ -177,9 +184,6 @@ fn main() -> ExitCode {
         print!("{}", loaded.render());
         return ExitCode::SUCCESS;
     }
-    telemetry::init(loaded.config.log_format, &loaded.config.log);
-    warn_unknown_env(&loaded);
-
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -190,6 +194,15 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_FATAL);
         }
     };
+    if let Command::Status { json } = command {
+        // stdout is the report: no log lines there.
+        for name in &loaded.unknown_env {
+            eprintln!("outbox-relay: warning: ignoring {name}: it names no configuration key");
+        }
+        return runtime.block_on(status(loaded.config, json));
+    }
+    telemetry::init(loaded.config.log_format, &loaded.config.log);
+    warn_unknown_env(&loaded);
     let result = runtime.block_on(async move {
         match command {
             Command::Migrate => migrate_once(loaded.config).await,
@@ -217,6 +230,41 @@ async fn migrate_once(config: Config) -> anyhow::Result<()> {
         .await
         .context("cannot apply the migrations")?;
     Ok(())
+}
+
+/// `status`: exit 0 when every tenant is within max_lag_ms, 1 when one is
+/// not (or the database cannot be asked).
+async fn status(config: Config, json: bool) -> ExitCode {
+    let result = async {
+        let store = store::Store::new(&config).map_err(anyhow::Error::msg)?;
+        let tenants = store.tenant_status(&config.tenants).await?;
+        Ok::<_, anyhow::Error>(outbox_relay::status::Report::new(
+            config.max_lag_ms,
+            tenants,
+        ))
+    }
+    .await;
+    match result {
+        Ok(report) => {
+            print!(
+                "{}",
+                if json {
+                    report.json() + "\n"
+                } else {
+                    report.table()
+                }
+            );
+            if report.lagging {
+                ExitCode::from(EXIT_FATAL)
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
+        Err(error) => {
+            eprintln!("outbox-relay: cannot read the outbox: {error:#}");
+            ExitCode::from(EXIT_FATAL)
+        }
+    }
 }
 
 fn report_exit(result: anyhow::Result<()>) -> ExitCode {

@@ -38,6 +38,7 @@ const MARK_PUBLISHED: &str = include_str!("store/mark_published.sql");
 const RECORD_REFUSAL: &str = include_str!("store/record_refusal.sql");
 const PENDING_TENANTS: &str = include_str!("store/pending_tenants.sql");
 const TENANT_LAG: &str = include_str!("store/tenant_lag.sql");
+const TENANT_STATUS: &str = include_str!("store/tenant_status.sql");
 
 /// A failure to talk to PostgreSQL. Never carries a password or a payload.
 #[derive(Debug, thiserror::Error)]
@@ -93,6 +94,18 @@ pub struct TenantLag {
     pub lag_ms: i64,
 }
 
+/// A tenant as `outbox-relay status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct TenantStatus {
+    pub tenant: String,
+    pub pending: i64,
+    pub lag_ms: i64,
+    /// The lowest pending row: the one the tenant is waiting on.
+    pub oldest_id: Option<i64>,
+    pub attempts: Option<i32>,
+    pub last_error: Option<String>,
+}
+
 /// The statements with the configured table substituted.
 #[derive(Debug)]
 struct Statements {
@@ -101,6 +114,7 @@ struct Statements {
     record_refusal: String,
     pending_tenants: String,
     tenant_lag: String,
+    tenant_status: String,
 }
 
 /// The outbox table of one relay: a pool and its statements.
@@ -276,6 +290,7 @@ impl Store {
                 record_refusal: with_table(RECORD_REFUSAL),
                 pending_tenants: with_table(PENDING_TENANTS),
                 tenant_lag: with_table(TENANT_LAG),
+                tenant_status: with_table(TENANT_STATUS),
             }),
             lock_key: format!("{}.{}", config.schema, config.table).into(),
             batch_size: i64::try_from(config.batch_size).unwrap_or(i64::MAX),
@@ -355,6 +370,29 @@ impl Store {
                 .collect::<Result<Vec<_>, StoreError>>()
         };
         let result = deadline("the lag query", work).await;
+        finish_or_discard(conn, result)
+    }
+
+    /// Pending rows, lag and the blocking row of each tenant, one statement.
+    pub async fn tenant_status(&self, tenants: &[String]) -> Result<Vec<TenantStatus>, StoreError> {
+        let conn = self.connection().await?;
+        let work = async {
+            let stmt = conn.prepare_cached(&self.statements.tenant_status).await?;
+            let rows = conn.query(&stmt, &[&tenants]).await?;
+            rows.iter()
+                .map(|row| {
+                    Ok(TenantStatus {
+                        tenant: row.try_get(0)?,
+                        pending: row.try_get(1)?,
+                        lag_ms: row.try_get(2)?,
+                        oldest_id: row.try_get(3)?,
+                        attempts: row.try_get(4)?,
+                        last_error: row.try_get(5)?,
+                    })
+                })
+                .collect::<Result<Vec<_>, StoreError>>()
+        };
+        let result = deadline("the status query", work).await;
         finish_or_discard(conn, result)
     }
 

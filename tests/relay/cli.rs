@@ -348,3 +348,66 @@ async fn sigterm_during_a_batch_exits_0_and_loses_nothing() {
     broker.delete().await;
     outbox.drop_schema().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_shows_each_tenants_blocking_row_and_exits_1_when_lagging() {
+    let outbox = Outbox::create().await;
+    let stuck = outbox.insert("stuck", "k", "s-1", Some("{}"), None).await;
+    outbox.insert("stuck", "k", "s-2", Some("{}"), None).await;
+    outbox.insert("fresh", "k", "s-1", Some("{}"), None).await;
+    outbox
+        .execute(&format!(
+            "UPDATE {{outbox}} SET occurred_at = now() - interval '5 minutes', attempts = 4,
+             last_error = 'unroutable: returned by the broker: 312 NO_ROUTE' WHERE id = {stuck}"
+        ))
+        .await;
+    let env = |tenants: &'static str| {
+        vec![
+            ("OUTBOX_TENANTS", tenants),
+            ("OUTBOX_DATABASE_URL", DATABASE_URL),
+            ("OUTBOX_SCHEMA", outbox.schema.as_str()),
+            ("OUTBOX_LOG_FORMAT", "json"),
+        ]
+    };
+    let (code, stdout, stderr) = run(&env("idle,stuck,fresh"), &["status", "--json"]);
+    assert_eq!(code, Some(1), "a tenant is past max_lag_ms: {stderr}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).expect("only JSON on stdout");
+    assert_eq!(report["lagging"], true);
+    let tenants = report["tenants"].as_array().unwrap();
+    assert_eq!(tenants[0]["tenant"], "idle");
+    assert_eq!(tenants[0]["pending"], 0);
+    assert_eq!(tenants[0]["oldest_id"], serde_json::Value::Null);
+    assert_eq!(tenants[1]["tenant"], "stuck");
+    assert_eq!(tenants[1]["pending"], 2);
+    assert_eq!(tenants[1]["oldest_id"], stuck);
+    assert_eq!(tenants[1]["attempts"], 4);
+    assert_eq!(
+        tenants[1]["last_error"],
+        "unroutable: returned by the broker: 312 NO_ROUTE"
+    );
+    assert_eq!(tenants[1]["lagging"], true);
+    assert!(tenants[1]["lag_ms"].as_i64().unwrap() >= 300_000);
+    assert_eq!(tenants[2]["lagging"], false);
+
+    let (code, stdout, _) = run(&env("idle,fresh"), &["status"]);
+    assert_eq!(code, Some(0), "{stdout}");
+    assert!(stdout.starts_with("TENANT"), "{stdout}");
+    assert!(
+        stdout.contains("fresh") && !stdout.contains("stuck"),
+        "{stdout}"
+    );
+
+    let (code, _, stderr) = run(
+        &[
+            ("OUTBOX_TENANTS", "a"),
+            (
+                "OUTBOX_DATABASE_URL",
+                "postgres://postgres@127.0.0.1:1/test",
+            ),
+        ],
+        &["status"],
+    );
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains("cannot read the outbox"), "{stderr}");
+    outbox.drop_schema().await;
+}

@@ -1,0 +1,227 @@
+//! `outbox-relay status`: each tenant's pending rows, lag and blocking row,
+//! as a table for people or JSON for scripts. Exit 1 when any tenant is past
+//! `max_lag_ms`, so a cron job or a CI step can use it as a check.
+
+use serde::Serialize;
+
+use crate::store::TenantStatus;
+
+/// The widest `last_error` shown in the table (JSON has it whole).
+const ERROR_WIDTH: usize = 72;
+
+/// What `status` reports.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub max_lag_ms: u64,
+    pub lagging: bool,
+    pub tenants: Vec<Line>,
+}
+
+/// One tenant.
+#[derive(Debug, Serialize)]
+pub struct Line {
+    #[serde(flatten)]
+    pub status: TenantStatus,
+    pub lagging: bool,
+}
+
+impl Report {
+    pub fn new(max_lag_ms: u64, tenants: Vec<TenantStatus>) -> Report {
+        let tenants: Vec<Line> = tenants
+            .into_iter()
+            .map(|status| Line {
+                lagging: u64::try_from(status.lag_ms).unwrap_or(0) > max_lag_ms,
+                status,
+            })
+            .collect();
+        Report {
+            max_lag_ms,
+            lagging: tenants.iter().any(|t| t.lagging),
+            tenants,
+        }
+    }
+
+    pub fn json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("a report serialises")
+    }
+
+    /// An aligned table, one tenant a line, lagging tenants marked.
+    pub fn table(&self) -> String {
+        let header = [
+            "TENANT",
+            "PENDING",
+            "LAG",
+            "BLOCKING ROW",
+            "ATTEMPTS",
+            "LAST ERROR",
+        ];
+        let mut rows: Vec<[String; 6]> = vec![header.map(String::from)];
+        for line in &self.tenants {
+            let s = &line.status;
+            let lag = if s.pending == 0 {
+                "-".to_string()
+            } else {
+                format!(
+                    "{}{}",
+                    human_ms(s.lag_ms),
+                    if line.lagging { " !" } else { "" }
+                )
+            };
+            rows.push([
+                s.tenant.clone(),
+                s.pending.to_string(),
+                lag,
+                s.oldest_id.map_or_else(|| "-".into(), |id| id.to_string()),
+                s.attempts.map_or_else(|| "-".into(), |a| a.to_string()),
+                s.last_error
+                    .as_deref()
+                    .map_or_else(|| "-".into(), |e| shorten(e, ERROR_WIDTH)),
+            ]);
+        }
+        let widths: Vec<usize> = (0..6)
+            .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
+            .collect();
+        let mut out = String::new();
+        for row in rows {
+            let cells: Vec<String> = row
+                .iter()
+                .enumerate()
+                .map(|(c, cell)| {
+                    if c == 5 {
+                        cell.clone()
+                    } else {
+                        format!("{cell:<w$}", w = widths[c])
+                    }
+                })
+                .collect();
+            out.push_str(cells.join("  ").trim_end());
+            out.push('\n');
+        }
+        let lagging = self.tenants.iter().filter(|t| t.lagging).count();
+        if lagging > 0 {
+            out.push_str(&format!(
+                "{lagging} tenant(s) past max_lag_ms ({} ms), marked !\n",
+                self.max_lag_ms
+            ));
+        }
+        out
+    }
+}
+
+fn human_ms(ms: i64) -> String {
+    match ms {
+        ms if ms < 1_000 => format!("{ms}ms"),
+        ms if ms < 60_000 => format!("{:.1}s", ms as f64 / 1_000.0),
+        ms if ms < 3_600_000 => format!("{}m{:02}s", ms / 60_000, (ms % 60_000) / 1_000),
+        ms => format!("{}h{:02}m", ms / 3_600_000, (ms % 3_600_000) / 60_000),
+    }
+}
+
+fn shorten(text: &str, width: usize) -> String {
+    let one_line = text.replace(['\n', '\r'], " ");
+    if one_line.chars().count() <= width {
+        return one_line;
+    }
+    let mut short: String = one_line.chars().take(width - 1).collect();
+    short.push('…');
+    short
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(
+        tenant: &str,
+        pending: i64,
+        lag_ms: i64,
+        blocking: Option<(i64, i32, &str)>,
+    ) -> TenantStatus {
+        TenantStatus {
+            tenant: tenant.into(),
+            pending,
+            lag_ms,
+            oldest_id: blocking.map(|b| b.0),
+            attempts: blocking.map(|b| b.1),
+            last_error: blocking.and_then(|b| (!b.2.is_empty()).then(|| b.2.to_string())),
+        }
+    }
+
+    #[test]
+    fn marks_tenants_past_the_budget() {
+        let report = Report::new(
+            60_000,
+            vec![
+                status("acme", 0, 0, None),
+                status(
+                    "globex",
+                    12,
+                    125_000,
+                    Some((41, 3, "unroutable: returned by the broker: 312 NO_ROUTE")),
+                ),
+                status("initech", 2, 300, Some((7, 0, ""))),
+            ],
+        );
+        assert!(report.lagging);
+        let table = report.table();
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(
+            lines[0],
+            "TENANT   PENDING  LAG      BLOCKING ROW  ATTEMPTS  LAST ERROR"
+        );
+        assert_eq!(
+            lines[1],
+            "acme     0        -        -             -         -"
+        );
+        assert_eq!(
+            lines[2],
+            "globex   12       2m05s !  41            3         unroutable: returned by the broker: 312 NO_ROUTE"
+        );
+        assert_eq!(
+            lines[3],
+            "initech  2        300ms    7             0         -"
+        );
+        assert_eq!(lines[4], "1 tenant(s) past max_lag_ms (60000 ms), marked !");
+    }
+
+    #[test]
+    fn json_carries_every_field() {
+        let report = Report::new(
+            1_000,
+            vec![status(
+                "a",
+                1,
+                5,
+                Some((9, 1, "nack: the broker nacked the message")),
+            )],
+        );
+        let value: serde_json::Value = serde_json::from_str(&report.json()).unwrap();
+        assert_eq!(value["lagging"], false);
+        assert_eq!(value["max_lag_ms"], 1000);
+        let t = &value["tenants"][0];
+        assert_eq!(t["tenant"], "a");
+        assert_eq!(t["pending"], 1);
+        assert_eq!(t["lag_ms"], 5);
+        assert_eq!(t["oldest_id"], 9);
+        assert_eq!(t["attempts"], 1);
+        assert_eq!(t["last_error"], "nack: the broker nacked the message");
+        assert_eq!(t["lagging"], false);
+    }
+
+    #[test]
+    fn long_errors_are_shortened_in_the_table_only() {
+        let long = "other: ".to_string() + &"x".repeat(200);
+        let report = Report::new(1, vec![status("a", 1, 0, Some((1, 1, &long)))]);
+        let row = report.table().lines().nth(1).unwrap().to_string();
+        assert!(row.ends_with('…') && row.chars().count() < 140, "{row}");
+        assert!(report.json().contains(&long));
+    }
+
+    #[test]
+    fn human_durations() {
+        assert_eq!(human_ms(999), "999ms");
+        assert_eq!(human_ms(1_500), "1.5s");
+        assert_eq!(human_ms(61_000), "1m01s");
+        assert_eq!(human_ms(7_260_000), "2h01m");
+    }
+}
