@@ -355,61 +355,69 @@ impl Store {
 
     /// The configured tenants' lag, one statement.
     pub async fn tenant_lag(&self, tenants: &[String]) -> Result<Vec<TenantLag>, StoreError> {
-        let conn = self.connection().await?;
-        let work = async {
-            let stmt = conn.prepare_cached(&self.statements.tenant_lag).await?;
-            let rows = conn.query(&stmt, &[&tenants]).await?;
-            rows.iter()
-                .map(|row| {
-                    Ok(TenantLag {
-                        tenant: row.try_get(0)?,
-                        pending: row.try_get(1)?,
-                        lag_ms: row.try_get(2)?,
-                    })
+        self.query_all(
+            "the lag query",
+            &self.statements.tenant_lag,
+            &[&tenants],
+            |row| {
+                Ok(TenantLag {
+                    tenant: row.try_get(0)?,
+                    pending: row.try_get(1)?,
+                    lag_ms: row.try_get(2)?,
                 })
-                .collect::<Result<Vec<_>, StoreError>>()
-        };
-        let result = deadline("the lag query", work).await;
-        finish_or_discard(conn, result)
+            },
+        )
+        .await
     }
 
     /// Pending rows, lag and the blocking row of each tenant, one statement.
     pub async fn tenant_status(&self, tenants: &[String]) -> Result<Vec<TenantStatus>, StoreError> {
-        let conn = self.connection().await?;
-        let work = async {
-            let stmt = conn.prepare_cached(&self.statements.tenant_status).await?;
-            let rows = conn.query(&stmt, &[&tenants]).await?;
-            rows.iter()
-                .map(|row| {
-                    Ok(TenantStatus {
-                        tenant: row.try_get(0)?,
-                        pending: row.try_get(1)?,
-                        lag_ms: row.try_get(2)?,
-                        oldest_id: row.try_get(3)?,
-                        attempts: row.try_get(4)?,
-                        last_error: row.try_get(5)?,
-                    })
+        self.query_all(
+            "the status query",
+            &self.statements.tenant_status,
+            &[&tenants],
+            |row| {
+                Ok(TenantStatus {
+                    tenant: row.try_get(0)?,
+                    pending: row.try_get(1)?,
+                    lag_ms: row.try_get(2)?,
+                    oldest_id: row.try_get(3)?,
+                    attempts: row.try_get(4)?,
+                    last_error: row.try_get(5)?,
                 })
-                .collect::<Result<Vec<_>, StoreError>>()
-        };
-        let result = deadline("the status query", work).await;
-        finish_or_discard(conn, result)
+            },
+        )
+        .await
     }
 
     /// Every tenant with pending rows (configured or not) and its lag, one
     /// statement whose cost does not grow with idle tenants.
     pub async fn pending_tenants(&self) -> Result<Vec<(String, i64)>, StoreError> {
+        self.query_all(
+            "the poll query",
+            &self.statements.pending_tenants,
+            &[],
+            |row| Ok((row.try_get(0)?, row.try_get(1)?)),
+        )
+        .await
+    }
+
+    /// One statement outside any sweep, on a pooled connection, within
+    /// [`QUERY_TIMEOUT`]; a connection whose statement failed is discarded.
+    async fn query_all<T>(
+        &self,
+        what: &'static str,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+        map: impl Fn(&tokio_postgres::Row) -> Result<T, tokio_postgres::Error>,
+    ) -> Result<Vec<T>, StoreError> {
         let conn = self.connection().await?;
         let work = async {
-            let stmt = conn
-                .prepare_cached(&self.statements.pending_tenants)
-                .await?;
-            let rows = conn.query(&stmt, &[]).await?;
-            rows.iter()
-                .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
-                .collect::<Result<Vec<_>, StoreError>>()
+            let stmt = conn.prepare_cached(sql).await?;
+            let rows = conn.query(&stmt, params).await?;
+            Ok(rows.iter().map(map).collect::<Result<Vec<T>, _>>()?)
         };
-        let result = deadline("the poll query", work).await;
+        let result = deadline(what, work).await;
         finish_or_discard(conn, result)
     }
 }
