@@ -719,7 +719,9 @@ async fn main() {
     // `cargo bench` passes `--bench`; `cargo test --all-targets` runs this
     // binary without it, and a benchmark is not a test: say so and stop.
     if !std::env::args().any(|a| a == "--bench") {
-        println!("benches/relay.rs: a benchmark, run by `cargo bench --bench relay`; nothing to test");
+        println!(
+            "benches/relay.rs: a benchmark, run by `cargo bench --bench relay`; nothing to test"
+        );
         return;
     }
     let knobs = Knobs::from_env();
