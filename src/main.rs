@@ -178,9 +178,7 @@ fn main() -> ExitCode {
     };
     let command = cli.command.unwrap_or(Command::Run);
     if let Command::CheckConfig = command {
-        for name in &loaded.unknown_env {
-            eprintln!("outbox-relay: warning: ignoring {name}: it names no configuration key");
-        }
+        warn_unknown_env_on_stderr(&loaded);
         print!("{}", loaded.render());
         return ExitCode::SUCCESS;
     }
@@ -196,9 +194,7 @@ fn main() -> ExitCode {
     };
     if let Command::Status { json } = command {
         // stdout is the report: no log lines there.
-        for name in &loaded.unknown_env {
-            eprintln!("outbox-relay: warning: ignoring {name}: it names no configuration key");
-        }
+        warn_unknown_env_on_stderr(&loaded);
         return runtime.block_on(status(loaded.config, json));
     }
     telemetry::init(loaded.config.log_format, &loaded.config.log);
@@ -212,6 +208,13 @@ fn main() -> ExitCode {
         }
     });
     report_exit(result)
+}
+
+/// For commands whose stdout is their output (`check-config`, `status`).
+fn warn_unknown_env_on_stderr(loaded: &Loaded) {
+    for name in &loaded.unknown_env {
+        eprintln!("outbox-relay: warning: ignoring {name}: it names no configuration key");
+    }
 }
 
 fn warn_unknown_env(loaded: &Loaded) {
