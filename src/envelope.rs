@@ -48,7 +48,8 @@ impl Refusal {
 #[derive(Debug, Clone)]
 pub struct Envelope {
     pub routing_key: RoutingKey,
-    pub content_type: String,
+    /// Checked once, when the publisher is built (configuration allows ≤ 255 bytes).
+    pub content_type: ShortString,
     pub max_payload_bytes: usize,
 }
 
@@ -105,7 +106,7 @@ impl Envelope {
             .with_type(kind)
             .with_timestamp(u64::try_from(row.occurred_at.unix_timestamp()).unwrap_or(0))
             .with_delivery_mode(2)
-            .with_content_type(short(self.content_type.clone(), "content_type")?)
+            .with_content_type(self.content_type.clone())
             .with_app_id(APP_ID.into())
             .with_headers(headers);
         Ok(Message {
@@ -200,7 +201,7 @@ mod tests {
     fn envelope() -> Envelope {
         Envelope {
             routing_key: RoutingKey::parse("{tenant}.{kind}").unwrap(),
-            content_type: "application/json".into(),
+            content_type: ShortString::from("application/json"),
             max_payload_bytes: 16,
         }
     }

@@ -22,7 +22,7 @@ use std::time::{Duration, SystemTime};
 use futures_util::StreamExt;
 use futures_util::future::{MaybeDone, maybe_done};
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
-use lapin::types::FieldTable;
+use lapin::types::{FieldTable, ShortString};
 use lapin::uri::AMQPUri;
 use lapin::{Channel, Confirmation, Connection, ConnectionProperties, Event, ExchangeKind};
 use tokio::sync::{Notify, watch};
@@ -127,7 +127,8 @@ impl Session {
 struct Inner {
     uri: AMQPUri,
     redacted_url: String,
-    exchange: String,
+    /// Checked once here (configuration allows ≤ 255 bytes), cloned per message.
+    exchange: ShortString,
     exchange_kind: ExchangeKind,
     declare_exchange: bool,
     envelope: Envelope,
@@ -169,12 +170,14 @@ impl Publisher {
             inner: Arc::new(Inner {
                 uri,
                 redacted_url: redact_url(&config.amqp_url),
-                exchange: config.exchange.clone(),
+                exchange: ShortString::try_new(config.exchange.clone())
+                    .map_err(|e| format!("exchange: {e}"))?,
                 exchange_kind,
                 declare_exchange: config.declare_exchange,
                 envelope: Envelope {
                     routing_key: config.routing_key.clone(),
-                    content_type: config.content_type.clone(),
+                    content_type: ShortString::try_new(config.content_type.clone())
+                        .map_err(|e| format!("content_type: {e}"))?,
                     max_payload_bytes: config.max_payload_bytes,
                 },
                 max_in_flight: config.max_in_flight,
@@ -269,7 +272,7 @@ impl Publisher {
             let channel = connection.create_channel().await?;
             channel
                 .exchange_declare(
-                    self.inner.exchange.as_str().into(),
+                    self.inner.exchange.clone(),
                     self.inner.exchange_kind.clone(),
                     ExchangeDeclareOptions {
                         durable: true,
@@ -420,7 +423,7 @@ impl Publisher {
                 }
             };
             let send = channel.basic_publish(
-                self.inner.exchange.as_str().into(),
+                self.inner.exchange.clone(),
                 message.routing_key,
                 BasicPublishOptions {
                     mandatory: true,

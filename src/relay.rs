@@ -55,6 +55,10 @@ impl SweepOutcome {
 pub enum SweepFailure {
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The sweep's task ended without an outcome (a panic): its transaction
+    /// was dropped with it, so nothing was marked.
+    #[error("the sweep ended abnormally: {0}")]
+    Aborted(String),
     /// The broker refused row `id` (or the connection failed at it); the rows
     /// before it were marked.
     #[error("row {id} not published: {}", refusal.last_error())]
@@ -408,8 +412,7 @@ pub async fn schedule(relay: Arc<Relay>, shutdown: Shutdown) {
                 let (id, outcome) = match joined {
                     Ok((id, outcome)) => (id, outcome),
                     Err(error) => {
-                        tracing::error!(%error, "a sweep task ended abnormally");
-                        (error.id(), SweepOutcome::Failed(SweepFailure::Store(StoreError::Pool("sweep task failed".into()))))
+                        (error.id(), SweepOutcome::Failed(SweepFailure::Aborted(error.to_string())))
                     }
                 };
                 let Some(tenant) = running.remove(&id) else { continue };
@@ -462,18 +465,11 @@ pub async fn schedule(relay: Arc<Relay>, shutdown: Shutdown) {
 /// A random number, fresh each call (no state, no extra dependency).
 fn random_offset() -> usize {
     use std::hash::{BuildHasher, Hasher};
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u64(
-        u64::try_from(
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap_or_default()
-                .as_nanos()
-                & u128::from(u64::MAX),
-        )
-        .unwrap_or(0),
-    );
-    usize::try_from(hasher.finish() % (usize::MAX as u64)).unwrap_or(0)
+    // Every RandomState is freshly keyed, so an empty hash is already random.
+    let random = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    usize::try_from(random % (usize::MAX as u64)).unwrap_or(0)
 }
 
 /// Lets running sweeps finish within the grace period, then abandons them
@@ -531,6 +527,9 @@ fn report(tenant: &str, outcome: &SweepOutcome) {
             error = %refusal.detail,
             "sweep failed: row refused"
         ),
+        SweepOutcome::Failed(SweepFailure::Aborted(error)) => {
+            tracing::error!(tenant, reason = "aborted", %error, "sweep failed")
+        }
         SweepOutcome::Failed(SweepFailure::Store(error)) => {
             tracing::warn!(tenant, reason = "database", %error, "sweep failed")
         }
