@@ -14,7 +14,8 @@
 //!
 //! Knobs (environment): BENCH_ROWS (100000), BENCH_RUNS (3), BENCH_RATE
 //! (1000 rows/s), BENCH_STEADY_SECS (20), BENCH_IDLE_SECS (10), BENCH_ONLY
-//! (comma-separated scenario names), plus OUTBOX_BATCH_SIZE,
+//! (comma-separated scenario names), BENCH_DRAIN (drain shapes, e.g.
+//! `100x3,1x1`), BENCH_VERBOSE (relay CPU and arrival timeline), plus OUTBOX_BATCH_SIZE,
 //! OUTBOX_MAX_IN_FLIGHT, OUTBOX_CONCURRENCY, OUTBOX_POLL_MS passed to the
 //! relays. Results: a table on stdout and `target/bench-relay.json`.
 
@@ -24,7 +25,7 @@ use std::pin::Pin;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::Poll;
+use std::task::{Context, Waker};
 use std::time::{Duration, Instant, SystemTime};
 
 use futures_util::StreamExt;
@@ -65,6 +66,7 @@ struct Knobs {
     steady: Duration,
     idle: Duration,
     only: Option<Vec<String>>,
+    drains: Option<Vec<String>>,
     batch_size: u64,
     max_in_flight: u64,
     poll_ms: u64,
@@ -82,10 +84,20 @@ impl Knobs {
             only: std::env::var("BENCH_ONLY")
                 .ok()
                 .map(|v| v.split(',').map(str::to_string).collect()),
+            drains: std::env::var("BENCH_DRAIN")
+                .ok()
+                .map(|v| v.split(',').map(str::to_string).collect()),
             batch_size,
             max_in_flight: relay_knob("OUTBOX_MAX_IN_FLIGHT", batch_size),
             poll_ms: relay_knob("OUTBOX_POLL_MS", 200),
         }
+    }
+
+    /// BENCH_DRAIN narrows the drain to some of its shapes, e.g. `100x3,1x1`.
+    fn wants_drain(&self, tenants: usize, relays: usize) -> bool {
+        self.drains
+            .as_ref()
+            .is_none_or(|d| d.iter().any(|s| *s == format!("{tenants}x{relays}")))
     }
 
     fn wants(&self, scenario: &str) -> bool {
@@ -184,6 +196,30 @@ struct Arrivals {
     first: Option<Instant>,
     last: Option<Instant>,
     delays_ms: Vec<f64>,
+    /// Arrivals per 10 ms since the first (for BENCH_VERBOSE's timeline).
+    bins: Vec<u32>,
+}
+
+impl Arrivals {
+    /// When (seconds after the first arrival) each fraction had arrived.
+    fn timeline(&self, fractions: &[f64]) -> Vec<f64> {
+        fractions
+            .iter()
+            .map(|f| {
+                let want = (self.count as f64 * f).ceil() as u64;
+                let mut seen = 0u64;
+                let bin = self
+                    .bins
+                    .iter()
+                    .position(|n| {
+                        seen += u64::from(*n);
+                        seen >= want
+                    })
+                    .unwrap_or(self.bins.len());
+                bin as f64 / 100.0
+            })
+            .collect()
+    }
 }
 
 /// A durable topic exchange bound to a durable queue with a consumer.
@@ -260,8 +296,13 @@ impl Exchange {
                     .flatten();
                 let mut a = sink.lock().unwrap();
                 a.count += 1;
-                a.first.get_or_insert(now);
+                let first = *a.first.get_or_insert(now);
                 a.last = Some(now);
+                let bin = (now - first).as_millis() as usize / 10;
+                if a.bins.len() <= bin {
+                    a.bins.resize(bin + 1, 0);
+                }
+                a.bins[bin] += 1;
                 if let Some(d) = delay {
                     a.delays_ms.push(d);
                 }
@@ -315,6 +356,27 @@ impl Exchange {
     }
 }
 
+/// Sweeps by outcome, summed over tenants, from a relay's `/metrics`.
+async fn sweep_counts(addr: &str) -> Vec<(String, f64)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+        return Vec::new();
+    };
+    let _ = stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: relay\r\n\r\n")
+        .await;
+    let mut text = String::new();
+    let _ = stream.read_to_string(&mut text).await;
+    text.lines()
+        .filter(|l| l.starts_with("outbox_sweeps_total{"))
+        .filter_map(|l| {
+            let outcome = l.split("outcome=\"").nth(1)?.split('"').next()?;
+            let n = l.rsplit(' ').next()?.parse().ok()?;
+            Some((outcome.to_string(), n))
+        })
+        .collect()
+}
+
 fn occurred_delay_ms(properties: &BasicProperties) -> Option<f64> {
     let headers = properties.headers().as_ref()?;
     let AMQPValue::LongString(text) = headers.inner().get("outbox-occurred-at")? else {
@@ -332,6 +394,15 @@ struct RelayProcess(Child);
 
 impl RelayProcess {
     fn spawn(table: &Table, exchange: &Exchange, tenants: &[String]) -> RelayProcess {
+        RelayProcess::spawn_on(table, exchange, tenants, "127.0.0.1:0")
+    }
+
+    fn spawn_on(
+        table: &Table,
+        exchange: &Exchange,
+        tenants: &[String],
+        http_addr: &str,
+    ) -> RelayProcess {
         let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
         for (name, _) in std::env::vars() {
             if name.starts_with("OUTBOX_")
@@ -352,7 +423,7 @@ impl RelayProcess {
             .env("OUTBOX_AMQP_URL", AMQP_URL)
             .env("OUTBOX_SCHEMA", &table.schema)
             .env("OUTBOX_EXCHANGE", &exchange.name)
-            .env("OUTBOX_HTTP_ADDR", "127.0.0.1:0")
+            .env("OUTBOX_HTTP_ADDR", http_addr)
             .env("OUTBOX_LOG", "warn")
             .env("OUTBOX_LOG_FORMAT", "json")
             .stdin(Stdio::null())
@@ -464,8 +535,11 @@ async fn broker_ceiling(rows: u64, size: usize, window: usize) -> f64 {
             let publish: Pin<Box<dyn Future<Output = lapin::Result<Confirmation>> + Send + '_>> =
                 Box::pin(async move { send.await?.await });
             let mut confirm = Box::pin(maybe_done(publish));
-            let _: Poll<()> =
-                std::future::poll_fn(|cx| Poll::Ready(confirm.as_mut().poll(cx))).await;
+            // As the relay does: queue the frames now, with a no-op waker, so
+            // only the confirm being awaited wakes this task.
+            let _ = confirm
+                .as_mut()
+                .poll(&mut Context::from_waker(Waker::noop()));
             confirms.push(confirm);
         }
         for mut confirm in confirms {
@@ -528,19 +602,46 @@ async fn drain(rows: u64, size: usize, tenant_count: usize, relays: usize) -> f6
     let exchange = Exchange::create(false).await;
     let names = tenants(tenant_count);
     table.fill(&names, rows, size).await;
-    let processes: Vec<RelayProcess> = (0..relays)
-        .map(|_| RelayProcess::spawn(&table, &exchange, &names))
+    let verbose = std::env::var_os("BENCH_VERBOSE").is_some();
+    // Verbose runs give each relay a known port, to read its sweep counts.
+    let addrs: Vec<String> = (0..relays)
+        .map(|i| {
+            if verbose {
+                format!("127.0.0.1:{}", 19_400 + i)
+            } else {
+                "127.0.0.1:0".into()
+            }
+        })
+        .collect();
+    let processes: Vec<RelayProcess> = addrs
+        .iter()
+        .map(|addr| RelayProcess::spawn_on(&table, &exchange, &names, addr))
         .collect();
     let arrived = exchange
         .wait_for(rows as usize, Duration::from_secs(600))
         .await;
     assert!(arrived, "drain: {} of {rows} arrived", exchange.count());
     let rate = exchange.rate();
-    if std::env::var_os("BENCH_VERBOSE").is_some() {
+    if verbose {
+        let mut outcomes = BTreeMap::<String, f64>::new();
+        for addr in &addrs {
+            for (outcome, n) in sweep_counts(addr).await {
+                *outcomes.entry(outcome).or_default() += n;
+            }
+        }
+        eprintln!("  drain {tenant_count}x{relays}: sweeps {outcomes:?}");
         let cpu: f64 = processes.iter().map(RelayProcess::cpu_seconds).sum();
+        let fractions = [0.1, 0.5, 0.9, 0.99, 0.999, 1.0];
+        let at = exchange.arrivals.lock().unwrap().timeline(&fractions);
+        let at: Vec<String> = fractions
+            .iter()
+            .zip(at)
+            .map(|(f, t)| format!("{}% {t:.2}s", f * 100.0))
+            .collect();
         eprintln!(
-            "  drain {tenant_count}x{relays}: relay CPU {:.1} µs per message",
-            cpu * 1e6 / rows as f64
+            "  drain {tenant_count}x{relays}: relay CPU {:.1} µs per message; arrived {}",
+            cpu * 1e6 / rows as f64,
+            at.join(", ")
         );
     }
     for p in processes {
@@ -712,6 +813,49 @@ impl Report {
                    "ratio": ceiling.map(|(_, c)| median / c), "ceiling": ceiling.map(|(l, _)| l)}),
         );
     }
+
+    /// A drain beside the broker ceiling of the same runs: the ratio is the
+    /// median of the per-run ratios (each drain over the ceiling run just before it).
+    fn add_paired(&mut self, name: &str, drains: &[f64], ceilings: &[f64]) {
+        let drain = Figure {
+            runs: drains.to_vec(),
+        };
+        let ratios = Figure {
+            runs: drains.iter().zip(ceilings).map(|(d, c)| d / c).collect(),
+        };
+        let (min, max) = drain.spread();
+        let (rmin, rmax) = ratios.spread();
+        let (median, ratio) = (drain.median(), ratios.median());
+        println!(
+            "{name:<44} {median:>12.1} {:<8} [{min:.1} – {max:.1}]  {ratio:.2} × broker [{rmin:.2} – {rmax:.2}]",
+            "msg/s"
+        );
+        self.json.insert(
+            name.into(),
+            json!({"median": median, "min": min, "max": max, "unit": "msg/s", "runs": drains,
+                   "ceiling_runs": ceilings, "ratio": ratio, "ratio_runs": ratios.runs,
+                   "ceiling": "broker, the run just before"}),
+        );
+    }
+}
+
+/// `runs` pairs of (broker ceiling, drain), each drain right after its own
+/// ceiling run, so a drift in the machine's speed moves both alike.
+async fn paired(
+    runs: usize,
+    rows: u64,
+    size: usize,
+    window: usize,
+    tenants: usize,
+    relays: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let mut ceilings = Vec::new();
+    let mut drains = Vec::new();
+    for _ in 0..runs {
+        ceilings.push(broker_ceiling(rows, size, window).await);
+        drains.push(drain(rows, size, tenants, relays).await);
+    }
+    (ceilings, drains)
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -747,7 +891,7 @@ async fn main() {
         knobs.poll_ms
     );
     println!(
-        "{:<44} {:>12} {:<8} {:<17}  ratio (median / ceiling median)",
+        "{:<44} {:>12} {:<8} {:<17}  ratio (median of per-run ratios to the ceiling run just before)",
         "figure", "median", "unit", "[min – max]"
     );
     let mut report = Report {
@@ -755,10 +899,9 @@ async fn main() {
     };
     let runs = knobs.runs;
 
-    let mut broker_256 = None;
-    if knobs.wants("ceiling") || knobs.wants("drain") {
+    let mut broker_runs = Vec::new();
+    if knobs.wants("ceiling") {
         let f = repeat(runs, || broker_ceiling(rows, 256, window)).await;
-        broker_256 = Some(f.median());
         report.add("ceiling: broker alone, 256 B", "msg/s", &f, None);
         let f = repeat(runs, || database_ceiling(rows, 256, knobs.batch_size)).await;
         report.add(
@@ -769,12 +912,23 @@ async fn main() {
         );
     }
     if knobs.wants("drain") {
-        let ceiling = broker_256.expect("measured above");
         for (tenants, relays) in [(1, 1), (1, 3), (100, 1), (100, 3)] {
-            let f = repeat(runs, || drain(rows, 256, tenants, relays)).await;
+            if !knobs.wants_drain(tenants, relays) {
+                continue;
+            }
             let name = format!("drain: {tenants} tenant(s), {relays} relay(s), 256 B");
-            report.add(&name, "msg/s", &f, Some(("broker", ceiling)));
+            let (ceilings, drains) = paired(runs, rows, 256, window, tenants, relays).await;
+            broker_runs.extend(ceilings.iter().copied());
+            report.add_paired(&name, &drains, &ceilings);
         }
+        report.add(
+            "ceiling: broker alone, 256 B (runs paired with drains)",
+            "msg/s",
+            &Figure {
+                runs: std::mem::take(&mut broker_runs),
+            },
+            None,
+        );
     }
     if knobs.wants("steady") {
         let mut p = BTreeMap::<&str, Vec<f64>>::new();
@@ -829,14 +983,18 @@ async fn main() {
         );
     }
     if knobs.wants("drain4k") {
-        let f = repeat(runs, || broker_ceiling(rows, 4096, window)).await;
-        let ceiling = f.median();
-        report.add("ceiling: broker alone, 4 KiB", "msg/s", &f, None);
         for (tenants, relays) in [(1, 1), (100, 3)] {
-            let f = repeat(runs, || drain(rows, 4096, tenants, relays)).await;
             let name = format!("drain: {tenants} tenant(s), {relays} relay(s), 4 KiB");
-            report.add(&name, "msg/s", &f, Some(("broker 4 KiB", ceiling)));
+            let (ceilings, drains) = paired(runs, rows, 4096, window, tenants, relays).await;
+            broker_runs.extend(ceilings.iter().copied());
+            report.add_paired(&name, &drains, &ceilings);
         }
+        report.add(
+            "ceiling: broker alone, 4 KiB (runs paired with drains)",
+            "msg/s",
+            &Figure { runs: broker_runs },
+            None,
+        );
     }
 
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-relay.json");

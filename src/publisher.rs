@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::Poll;
+use std::task::{Context, Waker};
 use std::time::{Duration, SystemTime};
 
 use futures_util::StreamExt;
@@ -435,9 +435,14 @@ impl Publisher {
             let publish: Pin<Box<dyn Future<Output = lapin::Result<Confirmation>> + Send + 'a>> =
                 Box::pin(async move { send.await?.await });
             let mut confirm = Box::pin(maybe_done(publish));
-            // The first poll assigns the delivery tag and queues the frames, in row order.
-            let _: Poll<()> =
-                std::future::poll_fn(|cx| Poll::Ready(confirm.as_mut().poll(cx))).await;
+            // The first poll assigns the delivery tag and queues the frames, in
+            // row order. It leaves a no-op waker behind: lapin's I/O thread
+            // would otherwise wake this task once when the frames are written
+            // and once when the confirm lands, for every message. Only the
+            // message being settled registers a real waker (see `settle`).
+            let _ = confirm
+                .as_mut()
+                .poll(&mut Context::from_waker(Waker::noop()));
             in_flight.push_back(InFlight {
                 index,
                 deadline: Instant::now() + self.inner.confirm_timeout,
