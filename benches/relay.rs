@@ -7,7 +7,11 @@
 //!    exchange, pipelined with confirms, window `max_in_flight`, sends issued
 //!    without awaiting each) and the database alone (the relay's own claim +
 //!    read + mark + commit, no broker);
-//! 2. drain — N rows for 1 and for 100 tenants, 1 and 3 relay processes;
+//! 2. drain — N rows for 1 and for 100 tenants, 1 and 3 relay processes. Each
+//!    drain run follows a broker-alone run of its own, and its ratio is to
+//!    that run (the machine's speed drifts by ±15 % between minutes); the
+//!    table gives the median of those ratios, and the whole machine's CPU time
+//!    per message beside the broker alone's, which drifts much less;
 //! 3. steady — a writer at a fixed rate; delay from `occurred_at` to receipt;
 //! 4. idle — 1,000 tenants, no rows: transactions per poll, CPU, peak RSS;
 //! 5. drain with 4 KiB payloads.
@@ -15,7 +19,9 @@
 //! Knobs (environment): BENCH_ROWS (100000), BENCH_RUNS (3), BENCH_RATE
 //! (1000 rows/s), BENCH_STEADY_SECS (20), BENCH_IDLE_SECS (10), BENCH_ONLY
 //! (comma-separated scenario names), BENCH_DRAIN (drain shapes, e.g.
-//! `100x3,1x1`), BENCH_VERBOSE (relay CPU and arrival timeline), plus OUTBOX_BATCH_SIZE,
+//! `100x3,1x1`), BENCH_VERBOSE (per run: rates, relay CPU, sweeps by
+//! outcome, arrival timeline), BENCH_WRAP (a command the relay runs under,
+//! e.g. `valgrind --tool=callgrind`), plus OUTBOX_BATCH_SIZE,
 //! OUTBOX_MAX_IN_FLIGHT, OUTBOX_CONCURRENCY, OUTBOX_POLL_MS passed to the
 //! relays. Results: a table on stdout and `target/bench-relay.json`.
 
@@ -198,6 +204,8 @@ struct Arrivals {
     delays_ms: Vec<f64>,
     /// Arrivals per 10 ms since the first (for BENCH_VERBOSE's timeline).
     bins: Vec<u32>,
+    /// The machine's busy CPU time (all processes) at the first arrival.
+    busy_at_first: Option<Duration>,
 }
 
 impl Arrivals {
@@ -296,6 +304,9 @@ impl Exchange {
                     .flatten();
                 let mut a = sink.lock().unwrap();
                 a.count += 1;
+                if a.first.is_none() {
+                    a.busy_at_first = Some(machine_busy());
+                }
                 let first = *a.first.get_or_insert(now);
                 a.last = Some(now);
                 let bin = (now - first).as_millis() as usize / 10;
@@ -330,6 +341,14 @@ impl Exchange {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         true
+    }
+
+    /// The whole machine's CPU time per message since the first arrival, µs
+    /// (call right after the last).
+    fn machine_cpu_per_message(&self) -> f64 {
+        let a = self.arrivals.lock().unwrap();
+        let busy = machine_busy().saturating_sub(a.busy_at_first.unwrap_or_default());
+        busy.as_secs_f64() * 1e6 / a.count.max(1) as f64
     }
 
     /// Messages per second between the first and the last arrival.
@@ -377,6 +396,23 @@ async fn sweep_counts(addr: &str) -> Vec<(String, f64)> {
         .collect()
 }
 
+/// CPU time the machine has spent busy (all cores, all processes), from /proc/stat.
+fn machine_busy() -> Duration {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let line = stat.lines().next().unwrap_or_default();
+    // cpu user nice system idle iowait irq softirq steal …
+    let ticks: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    let busy: u64 = [0, 1, 2, 5, 6, 7]
+        .iter()
+        .filter_map(|i| ticks.get(*i))
+        .sum();
+    Duration::from_millis(busy * 10)
+}
+
 fn occurred_delay_ms(properties: &BasicProperties) -> Option<f64> {
     let headers = properties.headers().as_ref()?;
     let AMQPValue::LongString(text) = headers.inner().get("outbox-occurred-at")? else {
@@ -403,7 +439,19 @@ impl RelayProcess {
         tenants: &[String],
         http_addr: &str,
     ) -> RelayProcess {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
+        let binary = env!("CARGO_BIN_EXE_outbox-relay");
+        // BENCH_WRAP runs the relay under another program, e.g.
+        // `valgrind --tool=callgrind` to count its instructions per message.
+        let wrap = std::env::var("BENCH_WRAP").unwrap_or_default();
+        let mut words = wrap.split_whitespace();
+        let mut command = match words.next() {
+            Some(program) => {
+                let mut command = Command::new(program);
+                command.args(words).arg(binary);
+                command
+            }
+            None => Command::new(binary),
+        };
         for (name, _) in std::env::vars() {
             if name.starts_with("OUTBOX_")
                 && !matches!(
@@ -506,7 +554,7 @@ type Confirm<'a> =
 
 /// The broker alone: `rows` messages, windows of `window`, each window's
 /// publishes issued without awaiting each send, then its confirms awaited.
-async fn broker_ceiling(rows: u64, size: usize, window: usize) -> f64 {
+async fn broker_ceiling(rows: u64, size: usize, window: usize) -> Run {
     let exchange = Exchange::create(false).await;
     let connection = Connection::connect(AMQP_URL, ConnectionProperties::default())
         .await
@@ -542,6 +590,10 @@ async fn broker_ceiling(rows: u64, size: usize, window: usize) -> f64 {
                 .poll(&mut Context::from_waker(Waker::noop()));
             confirms.push(confirm);
         }
+        // As the relay does: wait for the newest first, then take them in order.
+        if let Some(newest) = confirms.last_mut() {
+            newest.as_mut().await;
+        }
         for mut confirm in confirms {
             confirm.as_mut().await;
             let result = confirm.as_mut().take_output().expect("done");
@@ -557,10 +609,19 @@ async fn broker_ceiling(rows: u64, size: usize, window: usize) -> f64 {
             .await,
         "ceiling: not all messages arrived"
     );
-    let rate = exchange.rate();
+    let run = Run {
+        rate: exchange.rate(),
+        cpu_us: exchange.machine_cpu_per_message(),
+    };
+    if std::env::var_os("BENCH_VERBOSE").is_some() {
+        eprintln!(
+            "  ceiling: {:.0} msg/s; machine CPU {:.1} µs per message",
+            run.rate, run.cpu_us
+        );
+    }
     let _ = connection.close(200, "done".into()).await;
     exchange.delete().await;
-    rate
+    run
 }
 
 /// The database alone: the relay's claim + read + mark + commit over `rows` rows of one tenant.
@@ -597,7 +658,14 @@ async fn database_ceiling(rows: u64, size: usize, batch_size: u64) -> f64 {
 }
 
 /// N rows over `tenant_count` tenants, drained by `relays` relay processes.
-async fn drain(rows: u64, size: usize, tenant_count: usize, relays: usize) -> f64 {
+/// A measured run: consumer-side rate, and the whole machine's CPU time per message.
+#[derive(Debug, Clone, Copy)]
+struct Run {
+    rate: f64,
+    cpu_us: f64,
+}
+
+async fn drain(rows: u64, size: usize, tenant_count: usize, relays: usize) -> Run {
     let table = Table::create().await;
     let exchange = Exchange::create(false).await;
     let names = tenants(tenant_count);
@@ -622,6 +690,7 @@ async fn drain(rows: u64, size: usize, tenant_count: usize, relays: usize) -> f6
         .await;
     assert!(arrived, "drain: {} of {rows} arrived", exchange.count());
     let rate = exchange.rate();
+    let machine_cpu = exchange.machine_cpu_per_message();
     if verbose {
         let mut outcomes = BTreeMap::<String, f64>::new();
         for addr in &addrs {
@@ -639,7 +708,7 @@ async fn drain(rows: u64, size: usize, tenant_count: usize, relays: usize) -> f6
             .map(|(f, t)| format!("{}% {t:.2}s", f * 100.0))
             .collect();
         eprintln!(
-            "  drain {tenant_count}x{relays}: relay CPU {:.1} µs per message; arrived {}",
+            "  drain {tenant_count}x{relays}: {rate:.0} msg/s; machine CPU {machine_cpu:.1} µs per message, relays {:.1}; arrived {}",
             cpu * 1e6 / rows as f64,
             at.join(", ")
         );
@@ -650,7 +719,10 @@ async fn drain(rows: u64, size: usize, tenant_count: usize, relays: usize) -> f6
     assert_eq!(table.pending().await, 0, "drain: every row marked");
     exchange.delete().await;
     table.drop().await;
-    rate
+    Run {
+        rate,
+        cpu_us: machine_cpu,
+    }
 }
 
 /// A writer at `rate` rows/s over 10 tenants for `duration`; delays in ms.
@@ -815,14 +887,16 @@ impl Report {
     }
 
     /// A drain beside the broker ceiling of the same runs: the ratio is the
-    /// median of the per-run ratios (each drain over the ceiling run just before it).
-    fn add_paired(&mut self, name: &str, drains: &[f64], ceilings: &[f64]) {
-        let drain = Figure {
-            runs: drains.to_vec(),
+    /// median of the per-run ratios (each drain over the ceiling run just
+    /// before it); then the machine's CPU time per message, drain and ceiling.
+    fn add_paired(&mut self, name: &str, pairs: &[(Run, Run)]) {
+        let figure = |f: &dyn Fn(&(Run, Run)) -> f64| Figure {
+            runs: pairs.iter().map(f).collect(),
         };
-        let ratios = Figure {
-            runs: drains.iter().zip(ceilings).map(|(d, c)| d / c).collect(),
-        };
+        let drain = figure(&|(_, d)| d.rate);
+        let ratios = figure(&|(c, d)| d.rate / c.rate);
+        let drain_cpu = figure(&|(_, d)| d.cpu_us);
+        let ceiling_cpu = figure(&|(c, _)| c.cpu_us);
         let (min, max) = drain.spread();
         let (rmin, rmax) = ratios.spread();
         let (median, ratio) = (drain.median(), ratios.median());
@@ -830,11 +904,21 @@ impl Report {
             "{name:<44} {median:>12.1} {:<8} [{min:.1} – {max:.1}]  {ratio:.2} × broker [{rmin:.2} – {rmax:.2}]",
             "msg/s"
         );
+        println!(
+            "{:<44} {:>12.1} {:<8} (broker alone: {:.1})",
+            "  machine CPU time per message",
+            drain_cpu.median(),
+            "µs",
+            ceiling_cpu.median()
+        );
         self.json.insert(
             name.into(),
-            json!({"median": median, "min": min, "max": max, "unit": "msg/s", "runs": drains,
-                   "ceiling_runs": ceilings, "ratio": ratio, "ratio_runs": ratios.runs,
-                   "ceiling": "broker, the run just before"}),
+            json!({"median": median, "min": min, "max": max, "unit": "msg/s", "runs": drain.runs,
+                   "ceiling_runs": pairs.iter().map(|(c, _)| c.rate).collect::<Vec<_>>(),
+                   "ratio": ratio, "ratio_runs": ratios.runs,
+                   "ceiling": "broker alone, the run just before",
+                   "machine_cpu_us_per_message": drain_cpu.median(),
+                   "ceiling_machine_cpu_us_per_message": ceiling_cpu.median()}),
         );
     }
 }
@@ -848,14 +932,14 @@ async fn paired(
     window: usize,
     tenants: usize,
     relays: usize,
-) -> (Vec<f64>, Vec<f64>) {
-    let mut ceilings = Vec::new();
-    let mut drains = Vec::new();
+) -> Vec<(Run, Run)> {
+    let mut pairs = Vec::new();
     for _ in 0..runs {
-        ceilings.push(broker_ceiling(rows, size, window).await);
-        drains.push(drain(rows, size, tenants, relays).await);
+        let ceiling = broker_ceiling(rows, size, window).await;
+        let drain = drain(rows, size, tenants, relays).await;
+        pairs.push((ceiling, drain));
     }
-    (ceilings, drains)
+    pairs
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -891,7 +975,7 @@ async fn main() {
         knobs.poll_ms
     );
     println!(
-        "{:<44} {:>12} {:<8} {:<17}  ratio (median of per-run ratios to the ceiling run just before)",
+        "{:<44} {:>12} {:<8} {:<17}  ratio (drains: median of the per-run ratios to the broker-alone run just before)",
         "figure", "median", "unit", "[min – max]"
     );
     let mut report = Report {
@@ -901,7 +985,10 @@ async fn main() {
 
     let mut broker_runs = Vec::new();
     if knobs.wants("ceiling") {
-        let f = repeat(runs, || broker_ceiling(rows, 256, window)).await;
+        let f = repeat(runs, || async {
+            broker_ceiling(rows, 256, window).await.rate
+        })
+        .await;
         report.add("ceiling: broker alone, 256 B", "msg/s", &f, None);
         let f = repeat(runs, || database_ceiling(rows, 256, knobs.batch_size)).await;
         report.add(
@@ -917,9 +1004,9 @@ async fn main() {
                 continue;
             }
             let name = format!("drain: {tenants} tenant(s), {relays} relay(s), 256 B");
-            let (ceilings, drains) = paired(runs, rows, 256, window, tenants, relays).await;
-            broker_runs.extend(ceilings.iter().copied());
-            report.add_paired(&name, &drains, &ceilings);
+            let pairs = paired(runs, rows, 256, window, tenants, relays).await;
+            broker_runs.extend(pairs.iter().map(|(c, _)| c.rate));
+            report.add_paired(&name, &pairs);
         }
         report.add(
             "ceiling: broker alone, 256 B (runs paired with drains)",
@@ -985,9 +1072,9 @@ async fn main() {
     if knobs.wants("drain4k") {
         for (tenants, relays) in [(1, 1), (100, 3)] {
             let name = format!("drain: {tenants} tenant(s), {relays} relay(s), 4 KiB");
-            let (ceilings, drains) = paired(runs, rows, 4096, window, tenants, relays).await;
-            broker_runs.extend(ceilings.iter().copied());
-            report.add_paired(&name, &drains, &ceilings);
+            let pairs = paired(runs, rows, 4096, window, tenants, relays).await;
+            broker_runs.extend(pairs.iter().map(|(c, _)| c.rate));
+            report.add_paired(&name, &pairs);
         }
         report.add(
             "ceiling: broker alone, 4 KiB (runs paired with drains)",

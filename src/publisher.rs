@@ -450,6 +450,15 @@ impl Publisher {
             });
         }
 
+        if clean && in_flight.len() > 1 {
+            // The broker confirms mostly in order. Waiting for the newest
+            // first (within the oldest's deadline) wakes this task once for
+            // the rest of the batch rather than once per ack frame; the loop
+            // below then finds most of them settled.
+            let deadline = in_flight.front().expect("not empty").deadline;
+            let newest = in_flight.back_mut().expect("not empty");
+            let _ = tokio::time::timeout_at(deadline, newest.confirm.as_mut()).await;
+        }
         if clean {
             // Settle everything sent, even after a refusal: a later confirm may
             // carry the return of an earlier row, and the channel must be empty
