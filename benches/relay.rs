@@ -647,7 +647,7 @@ async fn database_ceiling(rows: u64, size: usize, batch_size: u64) -> f64 {
         claim
             .finish(Settlement {
                 published: ids,
-                refused: None,
+                ..Settlement::default()
             })
             .await
             .expect("finish");

@@ -40,6 +40,9 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Heartbeat asked of the broker unless the URL sets one: a silent peer is
 /// noticed within two intervals even when nothing is being published.
 const DEFAULT_HEARTBEAT_SECS: u16 = 10;
+/// The confirmed prefix is reported (see `publish_batch`'s `progress`) in steps
+/// of this many rows while the rest of a batch is still being confirmed.
+pub const PROGRESS_STEP: usize = 64;
 /// Reconnect back-off: from this…
 const RECONNECT_MIN: Duration = Duration::from_millis(250);
 /// …to this.
@@ -81,6 +84,39 @@ impl BatchReport {
     fn refuse(&mut self, index: usize, refusal: Refusal) {
         if self.refusal.as_ref().is_none_or(|(at, _)| index < *at) {
             self.refusal = Some((index, refusal));
+        }
+    }
+}
+
+/// The confirmed prefix of a batch as it grows, and whom to tell.
+struct Progress<'p> {
+    prefix: usize,
+    reported: usize,
+    tell: &'p mut (dyn FnMut(usize) + Send),
+}
+
+impl<'p> Progress<'p> {
+    fn new(tell: &'p mut (dyn FnMut(usize) + Send)) -> Progress<'p> {
+        Progress {
+            prefix: 0,
+            reported: 0,
+            tell,
+        }
+    }
+
+    /// Row `index` was settled in order: while nothing is refused, the
+    /// prefix now reaches past it.
+    fn settled(&mut self, index: usize, report: &BatchReport) {
+        if report.refusal.is_none() {
+            self.prefix = index + 1;
+        }
+    }
+
+    /// Tells the prefix if it grew by at least `step` since last told.
+    fn report(&mut self, step: usize) {
+        if self.prefix >= self.reported + step {
+            self.reported = self.prefix;
+            (self.tell)(self.prefix);
         }
     }
 }
@@ -330,12 +366,16 @@ impl Publisher {
     }
 
     /// Publishes `rows` of `tenant` in order and settles their confirms. Stops
-    /// sending once `claim_held` says the tenant's claim is gone.
+    /// sending once `claim_held` says the tenant's claim is gone. While rows
+    /// are still unconfirmed, `progress` is told the length of the prefix
+    /// confirmed so far, every [`PROGRESS_STEP`] rows or more; a refusal
+    /// found later may still shorten it (the report has the final word).
     pub async fn publish_batch(
         &self,
         tenant: &str,
         rows: &[OutboxRow],
         claim_held: &(dyn Fn() -> bool + Sync),
+        progress: &mut (dyn FnMut(usize) + Send),
     ) -> BatchReport {
         let mut report = BatchReport::default();
         let Some(session) = self.session() else {
@@ -368,8 +408,15 @@ impl Publisher {
             }
         };
 
-        let clean = self
-            .publish_on(&session, &channel, tenant, rows, claim_held, &mut report)
+        let (clean, report) = self
+            .publish_on(
+                &session,
+                &channel,
+                tenant,
+                rows,
+                claim_held,
+                Progress::new(progress),
+            )
             .await;
         if clean {
             session.checkin(channel);
@@ -386,7 +433,7 @@ impl Publisher {
         report
     }
 
-    /// Returns whether the channel ended with nothing unsettled.
+    /// Returns whether the channel ended with nothing unsettled, and the report.
     async fn publish_on<'a>(
         &self,
         session: &Session,
@@ -394,8 +441,10 @@ impl Publisher {
         tenant: &str,
         rows: &'a [OutboxRow],
         claim_held: &(dyn Fn() -> bool + Sync),
-        report: &mut BatchReport,
-    ) -> bool {
+        mut progress: Progress<'_>,
+    ) -> (bool, BatchReport) {
+        let mut outcome = BatchReport::default();
+        let report = &mut outcome;
         let mut in_flight: VecDeque<InFlight<'a>> =
             VecDeque::with_capacity(self.inner.max_in_flight);
         let mut confirmed: Vec<Option<SystemTime>> = vec![None; rows.len()];
@@ -404,6 +453,7 @@ impl Publisher {
         'send: for (index, row) in rows.iter().enumerate() {
             while in_flight.len() >= self.inner.max_in_flight {
                 let oldest = in_flight.pop_front().expect("the window is not empty");
+                let settled = oldest.index;
                 if !self
                     .settle(session, rows, oldest, &mut confirmed, report)
                     .await
@@ -411,7 +461,9 @@ impl Publisher {
                     clean = false;
                     break 'send;
                 }
+                progress.settled(settled, report);
             }
+            progress.report(PROGRESS_STEP);
             if report.refusal.is_some() || !claim_held() {
                 break;
             }
@@ -450,26 +502,33 @@ impl Publisher {
             });
         }
 
-        if clean && in_flight.len() > 1 {
-            // The broker confirms mostly in order. Waiting for the newest
-            // first (within the oldest's deadline) wakes this task once for
-            // the rest of the batch rather than once per ack frame; the loop
-            // below then finds most of them settled.
-            let deadline = in_flight.front().expect("not empty").deadline;
-            let newest = in_flight.back_mut().expect("not empty");
-            let _ = tokio::time::timeout_at(deadline, newest.confirm.as_mut()).await;
-        }
         if clean {
             // Settle everything sent, even after a refusal: a later confirm may
             // carry the return of an earlier row, and the channel must be empty
-            // before it is reused.
-            while let Some(next) = in_flight.pop_front() {
-                if !self
-                    .settle(session, rows, next, &mut confirmed, report)
-                    .await
-                {
-                    clean = false;
-                    break;
+            // before it is reused. In steps: the broker confirms mostly in
+            // order, so waiting for a step's newest confirm first (within the
+            // oldest's deadline) wakes this task once per step rather than
+            // once per ack frame; the step is then settled in order.
+            'settle: while !in_flight.is_empty() {
+                let step = in_flight.len().min(PROGRESS_STEP);
+                let deadline = in_flight[0].deadline;
+                let newest = &mut in_flight[step - 1];
+                let _ = tokio::time::timeout_at(deadline, newest.confirm.as_mut()).await;
+                for _ in 0..step {
+                    let next = in_flight.pop_front().expect("counted above");
+                    let settled = next.index;
+                    if !self
+                        .settle(session, rows, next, &mut confirmed, report)
+                        .await
+                    {
+                        clean = false;
+                        break 'settle;
+                    }
+                    progress.settled(settled, report);
+                }
+                // The last step is left to the caller's commit.
+                if !in_flight.is_empty() {
+                    progress.report(1);
                 }
             }
         }
@@ -480,7 +539,7 @@ impl Publisher {
             .take(limit)
             .map_while(|at| at)
             .collect();
-        clean
+        (clean, outcome)
     }
 
     /// Waits for one message's confirm. Returns `false` when the channel can no

@@ -11,9 +11,14 @@
 //! `concurrency` sweeps run at once; none starts while the broker is down.
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Waker};
 use std::time::{Duration, SystemTime};
+
+use futures_util::future::{MaybeDone, maybe_done};
 
 use tokio::task::{Id, JoinSet};
 use tokio::time::Instant;
@@ -25,6 +30,10 @@ use crate::metrics::{FailureReason, Metrics, OutcomeLabel};
 use crate::publisher::Publisher;
 use crate::shutdown::Shutdown;
 use crate::store::{Refused, Settlement, Store, StoreError};
+
+/// A mark sent ahead of the commit, its outcome still to be read.
+type MarkAhead<'c> =
+    Pin<Box<MaybeDone<Pin<Box<dyn Future<Output = Result<u64, StoreError>> + Send + 'c>>>>>;
 
 /// How one sweep of one tenant ended.
 #[derive(Debug)]
@@ -145,10 +154,28 @@ impl Relay {
             };
         }
         let count = rows.len();
+        // The confirmed prefix is marked ahead, in steps, while the rest of
+        // the batch is being confirmed, so the commit has little left to do.
+        let mut ahead: Vec<MarkAhead<'_>> = Vec::new();
+        let mut marked = 0;
         let report = self
             .publisher
-            .publish_batch(tenant, rows, &|| claim.is_held())
+            .publish_batch(tenant, rows, &|| claim.is_held(), &mut |prefix| {
+                let ids = rows[marked..prefix].iter().map(|r| r.id).collect();
+                let mut mark: MarkAhead<'_> = Box::pin(maybe_done(Box::pin(claim.mark_ahead(ids))));
+                // The first poll sends the statement; its outcome is read below.
+                let _ = mark.as_mut().poll(&mut Context::from_waker(Waker::noop()));
+                ahead.push(mark);
+                marked = prefix;
+            })
             .await;
+        for mut mark in ahead {
+            mark.as_mut().await;
+            if let Some(Err(error)) = mark.as_mut().take_output() {
+                // The transaction is aborted; dropping the claim rolls it back.
+                return SweepOutcome::Failed(error.into());
+            }
+        }
         let published = report.confirmed();
         let refused_id = report.refusal.as_ref().map(|(at, _)| rows[*at].id);
         let refused = report
@@ -160,8 +187,10 @@ impl Relay {
         // not the row's fault, so it does not count as an attempt.
         let last_error =
             refused.map(|(id, r)| (id, r.last_error(), r.reason != FailureReason::Connection));
+        let ids = |range: std::ops::Range<usize>| rows[range].iter().map(|r| r.id).collect();
         let settlement = Settlement {
-            published: rows[..published].iter().map(|r| r.id).collect(),
+            published: ids(marked.min(published)..published),
+            unpublished: ids(published.min(marked)..marked),
             refused: last_error.as_ref().map(|(id, text, attempt)| Refused {
                 id: *id,
                 last_error: text.as_str(),

@@ -36,6 +36,7 @@ const CLAIM: &str = include_str!("store/claim.sql");
 const READ_BATCH: &str = include_str!("store/read_batch.sql");
 const MARK_PUBLISHED: &str = include_str!("store/mark_published.sql");
 const RECORD_REFUSAL: &str = include_str!("store/record_refusal.sql");
+const UNMARK_PUBLISHED: &str = include_str!("store/unmark_published.sql");
 const PENDING_TENANTS: &str = include_str!("store/pending_tenants.sql");
 const TENANT_LAG: &str = include_str!("store/tenant_lag.sql");
 const TENANT_STATUS: &str = include_str!("store/tenant_status.sql");
@@ -111,6 +112,7 @@ pub struct TenantStatus {
 struct Statements {
     read_batch: String,
     mark_published: String,
+    unmark_published: String,
     record_refusal: String,
     pending_tenants: String,
     tenant_lag: String,
@@ -287,6 +289,7 @@ impl Store {
             statements: Arc::new(Statements {
                 read_batch: with_table(READ_BATCH),
                 mark_published: with_table(MARK_PUBLISHED),
+                unmark_published: with_table(UNMARK_PUBLISHED),
                 record_refusal: with_table(RECORD_REFUSAL),
                 pending_tenants: with_table(PENDING_TENANTS),
                 tenant_lag: with_table(TENANT_LAG),
@@ -319,6 +322,11 @@ impl Store {
         let work = async {
             let claim_stmt = client.prepare_cached(CLAIM).await?;
             let read_stmt = client.prepare_cached(&self.statements.read_batch).await?;
+            // Prepared here (once per connection) so that marking ahead sends
+            // its UPDATE at once.
+            client
+                .prepare_cached(&self.statements.mark_published)
+                .await?;
             let lock_key: &str = &self.lock_key;
             let claim_params: [&(dyn ToSql + Sync); 2] = [&lock_key, &tenant];
             let read_params: [&(dyn ToSql + Sync); 2] = [&tenant, &self.batch_size];
@@ -445,7 +453,10 @@ async fn deadline<T>(
 /// refused, which one and why.
 #[derive(Debug, Default)]
 pub struct Settlement<'a> {
+    /// Rows to mark published (those not already marked ahead).
     pub published: Vec<i64>,
+    /// Rows marked ahead that are not in the confirmed prefix after all.
+    pub unpublished: Vec<i64>,
     pub refused: Option<Refused<'a>>,
 }
 
@@ -487,20 +498,49 @@ impl Claim {
         self.conn.as_ref().is_some_and(|c| !c.is_closed())
     }
 
-    /// Marks the published rows, records a refusal, and commits, in one round
-    /// trip. On any error the transaction is abandoned and nothing is marked.
+    /// Sends the UPDATE marking `ids` published now, inside the claim's
+    /// transaction, while the rest of the batch is still being confirmed; the
+    /// marks become visible only at the commit. The returned future sends the
+    /// statement when first polled and resolves to its outcome, which must be
+    /// awaited before [`Claim::finish`]: a failed statement aborts the
+    /// transaction. Rows marked ahead that end up outside the confirmed prefix
+    /// go in [`Settlement::unpublished`].
+    pub fn mark_ahead(
+        &self,
+        ids: Vec<i64>,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send + '_ {
+        let client = self.client();
+        let sql = &self.store.statements.mark_published;
+        async move {
+            deadline("marking ahead", async {
+                let mark = client.prepare_cached(sql).await?;
+                Ok(client.execute(&mark, &[&ids]).await?)
+            })
+            .await
+        }
+    }
+
+    /// Marks the published rows, undoes marks made ahead for rows that were
+    /// not, records a refusal, and commits, in one round trip. On any error
+    /// the transaction is abandoned and nothing is marked.
     pub async fn finish(mut self, settlement: Settlement<'_>) -> Result<(), StoreError> {
         let client = self.client();
         let statements = &self.store.statements;
         let work = async {
             let mark = client.prepare_cached(&statements.mark_published).await?;
+            let unmark = client.prepare_cached(&statements.unmark_published).await?;
             let record = client.prepare_cached(&statements.record_refusal).await?;
-            let published = async {
-                if settlement.published.is_empty() {
-                    return Ok(0);
+            let update = |statement: &'_ tokio_postgres::Statement, ids: &'_ Vec<i64>| {
+                let (statement, ids) = (statement.clone(), ids.clone());
+                async move {
+                    if ids.is_empty() {
+                        return Ok(0);
+                    }
+                    client.execute(&statement, &[&ids]).await
                 }
-                client.execute(&mark, &[&settlement.published]).await
             };
+            let published = update(&mark, &settlement.published);
+            let unpublished = update(&unmark, &settlement.unpublished);
             let refused = async {
                 match settlement.refused {
                     Some(refused) => {
@@ -512,11 +552,16 @@ impl Claim {
                     None => Ok(0),
                 }
             };
-            let (marked, recorded, commit) =
-                tokio::join!(published, refused, client.batch_execute("COMMIT"));
+            let (marked, unmarked, recorded, commit) = tokio::join!(
+                published,
+                unpublished,
+                refused,
+                client.batch_execute("COMMIT")
+            );
             // A failed statement turns the COMMIT into a rollback: report the
             // statement's error, not the commit's success.
             marked?;
+            unmarked?;
             recorded?;
             commit?;
             Ok(())

@@ -278,3 +278,118 @@ async fn a_too_large_payload_and_malformed_headers_are_refused_without_being_sen
     broker.delete().await;
     outbox.drop_schema().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nack_deep_in_a_batch_marks_exactly_the_confirmed_prefix() {
+    // A batch of 256 is marked ahead in steps while it is confirmed; the
+    // queue takes 150 and nacks the rest, so the steps marked ahead and the
+    // refusal meet inside the batch.
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&[]).await;
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-max-length".into(), AMQPValue::LongInt(150));
+    arguments.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString(LongString::from("reject-publish")),
+    );
+    let capped = broker.side_queue("deep.#", arguments).await;
+    let ids = outbox.insert_many("deep", 300).await;
+    let mut config = config(&outbox, &broker, &["deep"]);
+    config.batch_size = 256;
+    config.max_in_flight = 256;
+    config.max_backoff_ms = 300;
+    let relay = start_relay(config).await;
+
+    eventually("the nack is recorded", Duration::from_secs(20), || async {
+        outbox.row(ids[150]).await.attempts >= 1
+    })
+    .await;
+    relay.stop().await;
+    assert_eq!(
+        outbox.published_ids().await,
+        ids[..150].to_vec(),
+        "exactly the confirmed prefix is marked"
+    );
+    let refused = outbox.row(ids[150]).await;
+    assert!(
+        refused.last_error.as_deref().unwrap().starts_with("nack: "),
+        "{refused:?}"
+    );
+    for id in &ids[151..] {
+        assert_eq!(outbox.row(*id).await.attempts, 0, "row {id}");
+    }
+    broker.purge(&capped).await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn marks_sent_ahead_are_invisible_until_the_commit_and_undone_past_a_late_refusal() {
+    use outbox_relay::store::{Refused, Settlement, Store};
+
+    let outbox = Outbox::create().await;
+    let ids = outbox.insert_many("ahead", 10).await;
+    let mut config = outbox_relay::config::Config::with_tenants(["ahead"]);
+    config.database_url = crate::support::DATABASE_URL.into();
+    config.schema = outbox.schema.clone();
+    config.table = outbox.table.clone();
+    let store = Store::new(&config).expect("store");
+    // The previous claim's lock goes when its backend notices the closed
+    // connection: retry a skipped claim until then.
+    let claim = || async {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(claim) = store.claim("ahead").await.expect("claim") {
+                return claim;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "never claimed");
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    };
+
+    // Marked ahead, then the claim is abandoned: nothing was ever visible.
+    let abandoned = claim().await;
+    assert_eq!(abandoned.rows().len(), 10);
+    assert_eq!(
+        abandoned.mark_ahead(ids[..5].to_vec()).await.expect("mark"),
+        5
+    );
+    assert_eq!(
+        outbox.pending("ahead").await,
+        10,
+        "invisible before the commit"
+    );
+    drop(abandoned);
+    assert_eq!(outbox.pending("ahead").await, 10);
+
+    // Marked ahead past the row a refusal later turned out to stop at: the
+    // commit keeps the prefix only, and records the refusal.
+    let claim = claim().await;
+    assert_eq!(claim.mark_ahead(ids[..8].to_vec()).await.expect("mark"), 8);
+    claim
+        .finish(Settlement {
+            published: Vec::new(),
+            unpublished: ids[5..8].to_vec(),
+            refused: Some(Refused {
+                id: ids[5],
+                last_error: "nack: the broker nacked the message",
+                counts_as_attempt: true,
+            }),
+        })
+        .await
+        .expect("commit");
+    assert_eq!(outbox.published_ids().await, ids[..5].to_vec());
+    let refused = outbox.row(ids[5]).await;
+    assert_eq!((refused.published, refused.attempts), (false, 1));
+    for id in &ids[6..] {
+        assert_eq!(
+            outbox.row(*id).await,
+            crate::support::RowState {
+                published: false,
+                attempts: 0,
+                last_error: None
+            }
+        );
+    }
+    outbox.drop_schema().await;
+}
