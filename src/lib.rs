@@ -10,8 +10,9 @@
 //!    `concurrency` at once, with its own [`backoff`] after a failure.
 //! 3. A sweep ([`relay::Relay::sweep`]) claims the tenant in [`store`] (an
 //!    advisory lock held by one transaction), reads its oldest pending rows,
-//!    has [`publisher`] send them as [`envelope`] messages with confirms, then
-//!    marks the confirmed prefix and records a refusal, and commits.
+//!    has [`publisher`] send them as [`envelope`] messages with confirms,
+//!    marking the confirmed prefix as it grows (inside the transaction), then
+//!    records a refusal and commits.
 //! 4. [`http`] serves lag, liveness, readiness and [`metrics`]; [`telemetry`]
 //!    writes the logs; [`shutdown`] drains sweeps on SIGTERM; [`migrate`]
 //!    creates the table; [`status`] is the operator's view from the database.
