@@ -74,6 +74,14 @@ pub struct Outbox {
     pub client: Client,
 }
 
+/// A query of the test's own, bounded: a test that hangs tells CI nothing,
+/// one that fails names what did not answer.
+async fn within<T>(what: &str, query: impl Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(30), query)
+        .await
+        .unwrap_or_else(|_| panic!("the test's own query did not answer within 30 s: {what}"))
+}
+
 pub async fn pg_client() -> Client {
     let (client, connection) = tokio_postgres::connect(DATABASE_URL, NoTls)
         .await
@@ -119,11 +127,14 @@ impl Outbox {
             "INSERT INTO {} (tenant_id, kind, subject_id, payload, headers) VALUES ($1, $2, $3, $4, $5) RETURNING id",
             self.qualified()
         );
-        self.client
-            .query_one(&sql, &[&tenant, &kind, &subject, &payload, &headers])
-            .await
-            .expect("insert")
-            .get(0)
+        within(
+            "insert",
+            self.client
+                .query_one(&sql, &[&tenant, &kind, &subject, &payload, &headers]),
+        )
+        .await
+        .expect("insert")
+        .get(0)
     }
 
     /// Inserts `n` rows for `tenant` in one statement; returns their ids in order.
@@ -134,9 +145,7 @@ impl Outbox {
              RETURNING id",
             self.qualified()
         );
-        let mut ids: Vec<i64> = self
-            .client
-            .query(&sql, &[&tenant, &n])
+        let mut ids: Vec<i64> = within("insert many", self.client.query(&sql, &[&tenant, &n]))
             .await
             .expect("insert many")
             .iter()
@@ -148,7 +157,9 @@ impl Outbox {
 
     pub async fn execute(&self, sql: &str) {
         let sql = sql.replace("{outbox}", &self.qualified());
-        self.client.batch_execute(&sql).await.expect("statement");
+        within("a statement", self.client.batch_execute(&sql))
+            .await
+            .expect("statement");
     }
 
     pub async fn pending(&self, tenant: &str) -> i64 {
@@ -156,8 +167,7 @@ impl Outbox {
             "SELECT count(*) FROM {} WHERE tenant_id = $1 AND published_at IS NULL",
             self.qualified()
         );
-        self.client
-            .query_one(&sql, &[&tenant])
+        within("count pending", self.client.query_one(&sql, &[&tenant]))
             .await
             .expect("count")
             .get(0)
@@ -168,8 +178,7 @@ impl Outbox {
             "SELECT count(*) FROM {} WHERE published_at IS NULL",
             self.qualified()
         );
-        self.client
-            .query_one(&sql, &[])
+        within("count all pending", self.client.query_one(&sql, &[]))
             .await
             .expect("count")
             .get(0)
@@ -180,7 +189,9 @@ impl Outbox {
             "SELECT published_at IS NOT NULL, attempts, last_error FROM {} WHERE id = $1",
             self.qualified()
         );
-        let row = self.client.query_one(&sql, &[&id]).await.expect("row");
+        let row = within("read a row", self.client.query_one(&sql, &[&id]))
+            .await
+            .expect("row");
         RowState {
             published: row.get(0),
             attempts: row.get(1),
@@ -194,8 +205,7 @@ impl Outbox {
             "SELECT id FROM {} WHERE published_at IS NOT NULL ORDER BY id",
             self.qualified()
         );
-        self.client
-            .query(&sql, &[])
+        within("published ids", self.client.query(&sql, &[]))
             .await
             .expect("ids")
             .iter()
