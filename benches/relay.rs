@@ -18,8 +18,8 @@
 //!
 //! Knobs (environment): BENCH_ROWS (100000), BENCH_RUNS (3), BENCH_RATE
 //! (1000 rows/s), BENCH_STEADY_SECS (20), BENCH_IDLE_SECS (10), BENCH_ONLY
-//! (comma-separated scenario names), BENCH_DRAIN (drain shapes, e.g.
-//! `100x3,1x1`), BENCH_VERBOSE (per run: rates, relay CPU, sweeps by
+//! (comma-separated scenario names), BENCH_DRAIN (drain shapes, of 256 B
+//! and 4 KiB alike, e.g. `100x3,1x1`), BENCH_VERBOSE (per run: rates, relay CPU, sweeps by
 //! outcome, arrival timeline), BENCH_WRAP (a command the relay runs under,
 //! e.g. `valgrind --tool=callgrind`), plus OUTBOX_BATCH_SIZE,
 //! OUTBOX_MAX_IN_FLIGHT, OUTBOX_CONCURRENCY, OUTBOX_POLL_MS passed to the
@@ -59,6 +59,11 @@ fn env_num(name: &str, default: u64) -> u64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+/// BENCH_VERBOSE: per-run detail on stderr.
+fn verbose() -> bool {
+    std::env::var_os("BENCH_VERBOSE").is_some()
 }
 
 fn relay_knob(name: &str, default: u64) -> u64 {
@@ -613,7 +618,7 @@ async fn broker_ceiling(rows: u64, size: usize, window: usize) -> Run {
         rate: exchange.rate(),
         cpu_us: exchange.machine_cpu_per_message(),
     };
-    if std::env::var_os("BENCH_VERBOSE").is_some() {
+    if verbose() {
         eprintln!(
             "  ceiling: {:.0} msg/s; machine CPU {:.1} µs per message",
             run.rate, run.cpu_us
@@ -657,7 +662,6 @@ async fn database_ceiling(rows: u64, size: usize, batch_size: u64) -> f64 {
     rate
 }
 
-/// N rows over `tenant_count` tenants, drained by `relays` relay processes.
 /// A measured run: consumer-side rate, and the whole machine's CPU time per message.
 #[derive(Debug, Clone, Copy)]
 struct Run {
@@ -665,12 +669,13 @@ struct Run {
     cpu_us: f64,
 }
 
+/// N rows over `tenant_count` tenants, drained by `relays` relay processes.
 async fn drain(rows: u64, size: usize, tenant_count: usize, relays: usize) -> Run {
     let table = Table::create().await;
     let exchange = Exchange::create(false).await;
     let names = tenants(tenant_count);
     table.fill(&names, rows, size).await;
-    let verbose = std::env::var_os("BENCH_VERBOSE").is_some();
+    let verbose = verbose();
     // Verbose runs give each relay a known port, to read its sweep counts.
     let addrs: Vec<String> = (0..relays)
         .map(|i| {
@@ -923,6 +928,33 @@ impl Report {
     }
 }
 
+/// The drains of `shapes` (tenants, relays) with payloads of `size` bytes,
+/// each paired with its own broker-alone runs; then those runs together.
+async fn drains(report: &mut Report, knobs: &Knobs, shapes: &[(usize, usize)], size: usize) {
+    let label = if size >= 1024 {
+        format!("{} KiB", size / 1024)
+    } else {
+        format!("{size} B")
+    };
+    let mut ceilings = Vec::new();
+    for &(tenants, relays) in shapes {
+        if !knobs.wants_drain(tenants, relays) {
+            continue;
+        }
+        let window = knobs.max_in_flight as usize;
+        let pairs = paired(knobs.runs, knobs.rows, size, window, tenants, relays).await;
+        ceilings.extend(pairs.iter().map(|(c, _)| c.rate));
+        let name = format!("drain: {tenants} tenant(s), {relays} relay(s), {label}");
+        report.add_paired(&name, &pairs);
+    }
+    report.add(
+        &format!("ceiling: broker alone, {label} (runs paired with drains)"),
+        "msg/s",
+        &Figure { runs: ceilings },
+        None,
+    );
+}
+
 /// `runs` pairs of (broker ceiling, drain), each drain right after its own
 /// ceiling run, so a drift in the machine's speed moves both alike.
 async fn paired(
@@ -983,7 +1015,6 @@ async fn main() {
     };
     let runs = knobs.runs;
 
-    let mut broker_runs = Vec::new();
     if knobs.wants("ceiling") {
         let f = repeat(runs, || async {
             broker_ceiling(rows, 256, window).await.rate
@@ -999,23 +1030,13 @@ async fn main() {
         );
     }
     if knobs.wants("drain") {
-        for (tenants, relays) in [(1, 1), (1, 3), (100, 1), (100, 3)] {
-            if !knobs.wants_drain(tenants, relays) {
-                continue;
-            }
-            let name = format!("drain: {tenants} tenant(s), {relays} relay(s), 256 B");
-            let pairs = paired(runs, rows, 256, window, tenants, relays).await;
-            broker_runs.extend(pairs.iter().map(|(c, _)| c.rate));
-            report.add_paired(&name, &pairs);
-        }
-        report.add(
-            "ceiling: broker alone, 256 B (runs paired with drains)",
-            "msg/s",
-            &Figure {
-                runs: std::mem::take(&mut broker_runs),
-            },
-            None,
-        );
+        drains(
+            &mut report,
+            &knobs,
+            &[(1, 1), (1, 3), (100, 1), (100, 3)],
+            256,
+        )
+        .await;
     }
     if knobs.wants("steady") {
         let mut p = BTreeMap::<&str, Vec<f64>>::new();
@@ -1070,18 +1091,7 @@ async fn main() {
         );
     }
     if knobs.wants("drain4k") {
-        for (tenants, relays) in [(1, 1), (100, 3)] {
-            let name = format!("drain: {tenants} tenant(s), {relays} relay(s), 4 KiB");
-            let pairs = paired(runs, rows, 4096, window, tenants, relays).await;
-            broker_runs.extend(pairs.iter().map(|(c, _)| c.rate));
-            report.add_paired(&name, &pairs);
-        }
-        report.add(
-            "ceiling: broker alone, 4 KiB (runs paired with drains)",
-            "msg/s",
-            &Figure { runs: broker_runs },
-            None,
-        );
+        drains(&mut report, &knobs, &[(1, 1), (100, 3)], 4096).await;
     }
 
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-relay.json");

@@ -104,11 +104,14 @@ impl<'p> Progress<'p> {
         }
     }
 
-    /// Row `index` was settled in order: while nothing is refused, the
-    /// prefix now reaches past it.
-    fn settled(&mut self, index: usize, report: &BatchReport) {
+    /// A message was settled: while nothing is refused, the prefix reaches
+    /// over every row confirmed from the start.
+    fn settled(&mut self, confirmed: &[Option<SystemTime>], report: &BatchReport) {
         if report.refusal.is_none() {
-            self.prefix = index + 1;
+            self.prefix += confirmed[self.prefix..]
+                .iter()
+                .take_while(|at| at.is_some())
+                .count();
         }
     }
 
@@ -452,16 +455,14 @@ impl Publisher {
 
         'send: for (index, row) in rows.iter().enumerate() {
             while in_flight.len() >= self.inner.max_in_flight {
-                let oldest = in_flight.pop_front().expect("the window is not empty");
-                let settled = oldest.index;
                 if !self
-                    .settle(session, rows, oldest, &mut confirmed, report)
+                    .settle_oldest(session, rows, &mut in_flight, &mut confirmed, report)
                     .await
                 {
                     clean = false;
                     break 'send;
                 }
-                progress.settled(settled, report);
+                progress.settled(&confirmed, report);
             }
             progress.report(PROGRESS_STEP);
             if report.refusal.is_some() || !claim_held() {
@@ -515,16 +516,14 @@ impl Publisher {
                 let newest = &mut in_flight[step - 1];
                 let _ = tokio::time::timeout_at(deadline, newest.confirm.as_mut()).await;
                 for _ in 0..step {
-                    let next = in_flight.pop_front().expect("counted above");
-                    let settled = next.index;
                     if !self
-                        .settle(session, rows, next, &mut confirmed, report)
+                        .settle_oldest(session, rows, &mut in_flight, &mut confirmed, report)
                         .await
                     {
                         clean = false;
                         break 'settle;
                     }
-                    progress.settled(settled, report);
+                    progress.settled(&confirmed, report);
                 }
                 // The last step is left to the caller's commit.
                 if !in_flight.is_empty() {
@@ -540,6 +539,19 @@ impl Publisher {
             .map_while(|at| at)
             .collect();
         (clean, outcome)
+    }
+
+    /// Settles the oldest message in flight (see `settle`).
+    async fn settle_oldest(
+        &self,
+        session: &Session,
+        rows: &[OutboxRow],
+        in_flight: &mut VecDeque<InFlight<'_>>,
+        confirmed: &mut [Option<SystemTime>],
+        report: &mut BatchReport,
+    ) -> bool {
+        let oldest = in_flight.pop_front().expect("a message is in flight");
+        self.settle(session, rows, oldest, confirmed, report).await
     }
 
     /// Waits for one message's confirm. Returns `false` when the channel can no

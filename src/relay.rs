@@ -11,14 +11,12 @@
 //! `concurrency` sweeps run at once; none starts while the broker is down.
 
 use std::collections::{HashMap, VecDeque};
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Waker};
 use std::time::{Duration, SystemTime};
 
-use futures_util::future::{MaybeDone, maybe_done};
+use futures_util::future::maybe_done;
 
 use tokio::task::{Id, JoinSet};
 use tokio::time::Instant;
@@ -30,10 +28,6 @@ use crate::metrics::{FailureReason, Metrics, OutcomeLabel};
 use crate::publisher::Publisher;
 use crate::shutdown::Shutdown;
 use crate::store::{Refused, Settlement, Store, StoreError};
-
-/// A mark sent ahead of the commit, its outcome still to be read.
-type MarkAhead<'c> =
-    Pin<Box<MaybeDone<Pin<Box<dyn Future<Output = Result<u64, StoreError>> + Send + 'c>>>>>;
 
 /// How one sweep of one tenant ended.
 #[derive(Debug)]
@@ -156,13 +150,13 @@ impl Relay {
         let count = rows.len();
         // The confirmed prefix is marked ahead, in steps, while the rest of
         // the batch is being confirmed, so the commit has little left to do.
-        let mut ahead: Vec<MarkAhead<'_>> = Vec::new();
+        let mut ahead = Vec::new();
         let mut marked = 0;
         let report = self
             .publisher
             .publish_batch(tenant, rows, &|| claim.is_held(), &mut |prefix| {
                 let ids = rows[marked..prefix].iter().map(|r| r.id).collect();
-                let mut mark: MarkAhead<'_> = Box::pin(maybe_done(Box::pin(claim.mark_ahead(ids))));
+                let mut mark = Box::pin(maybe_done(claim.mark_ahead(ids)));
                 // The first poll sends the statement; its outcome is read below.
                 let _ = mark.as_mut().poll(&mut Context::from_waker(Waker::noop()));
                 ahead.push(mark);

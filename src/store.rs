@@ -449,6 +449,18 @@ async fn deadline<T>(
     }
 }
 
+/// Runs an `UPDATE … WHERE id = ANY($1)` statement; no round trip for no ids.
+async fn update_ids(
+    client: &Object,
+    statement: &tokio_postgres::Statement,
+    ids: &[i64],
+) -> Result<u64, tokio_postgres::Error> {
+    if ids.is_empty() {
+        return Ok(0);
+    }
+    client.execute(statement, &[&ids]).await
+}
+
 /// How a sweep ends its claim: which rows the broker confirmed and, if one was
 /// refused, which one and why.
 #[derive(Debug, Default)]
@@ -514,7 +526,7 @@ impl Claim {
         async move {
             deadline("marking ahead", async {
                 let mark = client.prepare_cached(sql).await?;
-                Ok(client.execute(&mark, &[&ids]).await?)
+                Ok(update_ids(client, &mark, &ids).await?)
             })
             .await
         }
@@ -530,17 +542,8 @@ impl Claim {
             let mark = client.prepare_cached(&statements.mark_published).await?;
             let unmark = client.prepare_cached(&statements.unmark_published).await?;
             let record = client.prepare_cached(&statements.record_refusal).await?;
-            let update = |statement: &'_ tokio_postgres::Statement, ids: &'_ Vec<i64>| {
-                let (statement, ids) = (statement.clone(), ids.clone());
-                async move {
-                    if ids.is_empty() {
-                        return Ok(0);
-                    }
-                    client.execute(&statement, &[&ids]).await
-                }
-            };
-            let published = update(&mark, &settlement.published);
-            let unpublished = update(&unmark, &settlement.unpublished);
+            let published = update_ids(client, &mark, &settlement.published);
+            let unpublished = update_ids(client, &unmark, &settlement.unpublished);
             let refused = async {
                 match settlement.refused {
                     Some(refused) => {

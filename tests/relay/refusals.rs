@@ -9,6 +9,18 @@ use serde_json::json;
 
 use crate::support::{Broker, Outbox, by_tenant, config, eventually, metric, start_relay};
 
+/// A queue bound to `key` that holds `length` messages and then rejects
+/// publishes, which the broker nacks. Returns its name.
+async fn capped_queue(broker: &Broker, key: &str, length: i32) -> String {
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-max-length".into(), AMQPValue::LongInt(length));
+    arguments.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString(LongString::from("reject-publish")),
+    );
+    broker.side_queue(key, arguments).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unroutable_row_stops_only_its_tenant_and_goes_out_once_a_queue_is_bound() {
     let outbox = Outbox::create().await;
@@ -107,13 +119,7 @@ async fn a_nacked_row_marks_only_the_confirmed_prefix() {
     // No consumer queue for this tenant: only a queue that holds three
     // messages and then rejects publishes, which the broker nacks.
     let broker = Broker::create(&[]).await;
-    let mut arguments = FieldTable::default();
-    arguments.insert("x-max-length".into(), AMQPValue::LongInt(3));
-    arguments.insert(
-        "x-overflow".into(),
-        AMQPValue::LongString(LongString::from("reject-publish")),
-    );
-    let capped = broker.side_queue("full.#", arguments).await;
+    let capped = capped_queue(&broker, "full.#", 3).await;
     let ids = outbox.insert_many("full", 6).await;
     let mut config = config(&outbox, &broker, &["full"]);
     config.max_in_flight = 1;
@@ -286,13 +292,7 @@ async fn a_nack_deep_in_a_batch_marks_exactly_the_confirmed_prefix() {
     // refusal meet inside the batch.
     let outbox = Outbox::create().await;
     let broker = Broker::create(&[]).await;
-    let mut arguments = FieldTable::default();
-    arguments.insert("x-max-length".into(), AMQPValue::LongInt(150));
-    arguments.insert(
-        "x-overflow".into(),
-        AMQPValue::LongString(LongString::from("reject-publish")),
-    );
-    let capped = broker.side_queue("deep.#", arguments).await;
+    let capped = capped_queue(&broker, "deep.#", 150).await;
     let ids = outbox.insert_many("deep", 300).await;
     let mut config = config(&outbox, &broker, &["deep"]);
     config.batch_size = 256;
