@@ -401,6 +401,44 @@ async fn sweep_counts(addr: &str) -> Vec<(String, f64)> {
         .collect()
 }
 
+/// CPU seconds used so far by RabbitMQ (`beam.smp`) and by PostgreSQL (every
+/// `postgres` process, plus the exited backends the postmaster has reaped).
+fn service_cpu() -> (f64, f64) {
+    let (mut broker, mut database) = (0.0, 0.0);
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return (0.0, 0.0);
+    };
+    for entry in entries.flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let Some((head, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let comm = head.split_once('(').map_or("", |(_, c)| c);
+        let fields: Vec<f64> = rest
+            .split_whitespace()
+            .map(|v| v.parse().unwrap_or(0.0))
+            .collect();
+        // Fields after the command: state ppid … utime(11) stime(12) cutime(13) cstime(14).
+        let field = |i: usize| fields.get(i).copied().unwrap_or(0.0) / 100.0;
+        match comm {
+            "beam.smp" => broker += field(11) + field(12),
+            "postgres" => {
+                database += field(11) + field(12);
+                let ppid = rest.split_whitespace().nth(1).unwrap_or_default();
+                let parent =
+                    std::fs::read_to_string(format!("/proc/{ppid}/comm")).unwrap_or_default();
+                if parent.trim() != "postgres" {
+                    database += field(13) + field(14);
+                }
+            }
+            _ => {}
+        }
+    }
+    (broker, database)
+}
+
 /// CPU time the machine has spent busy (all cores, all processes), from /proc/stat.
 fn machine_busy() -> Duration {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
@@ -569,6 +607,7 @@ async fn broker_ceiling(rows: u64, size: usize, window: usize) -> Run {
         .confirm_select(ConfirmSelectOptions::default())
         .await
         .expect("confirms");
+    let services_before = service_cpu();
     let body = vec![b'x'; size];
     let mut id = 0i64;
     while (id as u64) < rows {
@@ -619,9 +658,12 @@ async fn broker_ceiling(rows: u64, size: usize, window: usize) -> Run {
         cpu_us: exchange.machine_cpu_per_message(),
     };
     if verbose() {
+        let services_after = service_cpu();
         eprintln!(
-            "  ceiling: {:.0} msg/s; machine CPU {:.1} µs per message",
-            run.rate, run.cpu_us
+            "  ceiling: {:.0} msg/s; machine CPU {:.1} µs per message; RabbitMQ {:.1} µs",
+            run.rate,
+            run.cpu_us,
+            (services_after.0 - services_before.0) * 1e6 / rows as f64,
         );
     }
     let _ = connection.close(200, "done".into()).await;
@@ -686,6 +728,7 @@ async fn drain(rows: u64, size: usize, tenant_count: usize, relays: usize) -> Ru
             }
         })
         .collect();
+    let services_before = service_cpu();
     let processes: Vec<RelayProcess> = addrs
         .iter()
         .map(|addr| RelayProcess::spawn_on(&table, &exchange, &names, addr))
@@ -697,6 +740,12 @@ async fn drain(rows: u64, size: usize, tenant_count: usize, relays: usize) -> Ru
     let rate = exchange.rate();
     let machine_cpu = exchange.machine_cpu_per_message();
     if verbose {
+        let services_after = service_cpu();
+        eprintln!(
+            "  drain {tenant_count}x{relays}: since the relays started, per message: RabbitMQ {:.1} µs, PostgreSQL {:.1} µs",
+            (services_after.0 - services_before.0) * 1e6 / rows as f64,
+            (services_after.1 - services_before.1) * 1e6 / rows as f64,
+        );
         let mut outcomes = BTreeMap::<String, f64>::new();
         for addr in &addrs {
             for (outcome, n) in sweep_counts(addr).await {

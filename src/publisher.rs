@@ -1,30 +1,25 @@
 //! RabbitMQ: one connection, kept up by a supervisor that reconnects with
-//! back-off; confirm-mode channels, one per sweep at a time; and the publish of
-//! a batch with at most `max_in_flight` unconfirmed messages.
+//! back-off; one confirm-mode channel shared by the sweeps (see `confirms`);
+//! and the publish of a batch with at most `max_in_flight` unconfirmed
+//! messages.
 //!
 //! A batch's publishes are issued without awaiting each hand-off to the I/O
 //! side in turn (each `basic_publish` is polled once, in row order, which is
-//! where lapin assigns the delivery tag and queues the frames), then their
-//! confirms are settled in order, each within `confirm_timeout_ms` of its send.
-//!
-//! lapin reports a returned (unroutable) message as an ack that carries it, and
-//! with a multiple-ack it may attach the return to a neighbour's confirm. The
-//! returned message's `message_id` is the row id, so that is what identifies
-//! the refused row.
+//! where lapin assigns the delivery tag and queues the frames); the channel's
+//! collector settles the confirms, each within `confirm_timeout_ms` of its
+//! send, and the batch follows its confirmed prefix as it grows.
 
-use std::collections::VecDeque;
+mod confirms;
+
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Waker};
 use std::time::{Duration, SystemTime};
 
 use futures_util::StreamExt;
-use futures_util::future::{MaybeDone, maybe_done};
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::{FieldTable, ShortString};
 use lapin::uri::AMQPUri;
-use lapin::{Channel, Confirmation, Connection, ConnectionProperties, Event, ExchangeKind};
+use lapin::{Connection, ConnectionProperties, Event, ExchangeKind};
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
@@ -34,6 +29,7 @@ use crate::envelope::{Envelope, Refusal};
 use crate::metrics::{FailureReason, Metrics};
 use crate::redact::redact_url;
 use crate::store::OutboxRow;
+use confirms::{Batch, COLLECTOR_GRACE, ConfirmChannel};
 
 /// Deadline for connecting (TCP, TLS, AMQP handshake) and for opening a channel.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -81,7 +77,7 @@ impl BatchReport {
         self.confirmed_at.len()
     }
 
-    fn refuse(&mut self, index: usize, refusal: Refusal) {
+    pub(crate) fn refuse(&mut self, index: usize, refusal: Refusal) {
         if self.refusal.as_ref().is_none_or(|(at, _)| index < *at) {
             self.refusal = Some((index, refusal));
         }
@@ -124,10 +120,10 @@ impl<'p> Progress<'p> {
     }
 }
 
-/// A live connection and its idle confirm-mode channels.
+/// A live connection and the confirm-mode channel its sweeps share.
 struct Session {
     connection: Connection,
-    idle_channels: Mutex<Vec<Channel>>,
+    confirm_channel: tokio::sync::Mutex<Option<Arc<ConfirmChannel>>>,
     broken: Notify,
 }
 
@@ -137,29 +133,19 @@ impl Session {
         status.connected() && !status.blocked()
     }
 
-    async fn checkout(&self) -> Result<Channel, lapin::Error> {
-        let idle = self
-            .idle_channels
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pop();
-        if let Some(channel) = idle.filter(|c| c.status().connected()) {
-            return Ok(channel);
+    /// The shared channel, opened anew if there is none or it failed.
+    async fn confirm_channel(self: &Arc<Self>) -> Result<Arc<ConfirmChannel>, lapin::Error> {
+        let mut slot = self.confirm_channel.lock().await;
+        if let Some(channel) = slot.as_ref().filter(|c| c.is_usable()) {
+            return Ok(channel.clone());
         }
         let channel = self.connection.create_channel().await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
+        let channel = ConfirmChannel::start(channel, Arc::downgrade(self));
+        *slot = Some(channel.clone());
         Ok(channel)
-    }
-
-    fn checkin(&self, channel: Channel) {
-        if channel.status().connected() {
-            self.idle_channels
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(channel);
-        }
     }
 }
 
@@ -182,16 +168,6 @@ struct Inner {
 #[derive(Clone)]
 pub struct Publisher {
     inner: Arc<Inner>,
-}
-
-type ConfirmFuture<'a> =
-    Pin<Box<MaybeDone<Pin<Box<dyn Future<Output = lapin::Result<Confirmation>> + Send + 'a>>>>>;
-
-/// A published message whose confirm is not settled yet.
-struct InFlight<'a> {
-    index: usize,
-    deadline: Instant,
-    confirm: ConfirmFuture<'a>,
 }
 
 impl Publisher {
@@ -324,7 +300,7 @@ impl Publisher {
         }
         Ok(Arc::new(Session {
             connection,
-            idle_channels: Mutex::new(Vec::new()),
+            confirm_channel: tokio::sync::Mutex::new(None),
             broken: Notify::new(),
         }))
     }
@@ -342,16 +318,11 @@ impl Publisher {
         let session = self.session();
         self.set_session(None);
         if let Some(session) = session {
-            let channels = std::mem::take(
-                &mut *session
-                    .idle_channels
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner()),
-            );
-            for channel in channels {
+            let channel = session.confirm_channel.lock().await.take();
+            if let Some(channel) = channel {
                 let _ = tokio::time::timeout(
                     Duration::from_secs(1),
-                    channel.close(200, "shutdown".into()),
+                    channel.channel().close(200, "shutdown".into()),
                 )
                 .await;
             }
@@ -388,7 +359,7 @@ impl Publisher {
             );
             return report;
         };
-        let channel = match tokio::time::timeout(CONNECT_TIMEOUT, session.checkout()).await {
+        let channel = match tokio::time::timeout(CONNECT_TIMEOUT, session.confirm_channel()).await {
             Ok(Ok(channel)) => channel,
             Ok(Err(error)) => {
                 report.refuse(
@@ -410,236 +381,95 @@ impl Publisher {
                 return report;
             }
         };
-
-        let (clean, report) = self
-            .publish_on(
-                &session,
-                &channel,
-                tenant,
-                rows,
-                claim_held,
-                Progress::new(progress),
-            )
-            .await;
-        if clean {
-            session.checkin(channel);
-        } else {
-            // The channel may hold unsettled confirms: never reuse it.
-            tokio::spawn(async move {
-                let _ = tokio::time::timeout(
-                    Duration::from_secs(1),
-                    channel.close(200, "abandoned".into()),
-                )
-                .await;
-            });
-        }
-        report
+        self.publish_on(&channel, tenant, rows, claim_held, Progress::new(progress))
+            .await
     }
 
-    /// Returns whether the channel ended with nothing unsettled, and the report.
-    async fn publish_on<'a>(
+    async fn publish_on(
         &self,
-        session: &Session,
-        channel: &'a Channel,
+        channel: &ConfirmChannel,
         tenant: &str,
-        rows: &'a [OutboxRow],
+        rows: &[OutboxRow],
         claim_held: &(dyn Fn() -> bool + Sync),
         mut progress: Progress<'_>,
-    ) -> (bool, BatchReport) {
-        let mut outcome = BatchReport::default();
-        let report = &mut outcome;
-        let mut in_flight: VecDeque<InFlight<'a>> =
-            VecDeque::with_capacity(self.inner.max_in_flight);
-        let mut confirmed: Vec<Option<SystemTime>> = vec![None; rows.len()];
-        let mut clean = true;
-
-        'send: for (index, row) in rows.iter().enumerate() {
-            while in_flight.len() >= self.inner.max_in_flight {
-                if !self
-                    .settle_oldest(session, rows, &mut in_flight, &mut confirmed, report)
-                    .await
-                {
-                    clean = false;
-                    break 'send;
+    ) -> BatchReport {
+        let batch = Batch::new(rows.len());
+        for (index, row) in rows.iter().enumerate() {
+            // Within the window, and nothing refused so far.
+            let refused = loop {
+                let (in_flight, refused) = {
+                    let state = batch.state();
+                    progress.settled(&state.confirmed, &state.report);
+                    (state.in_flight(), state.report.refusal.is_some())
+                };
+                progress.report(PROGRESS_STEP);
+                if refused || in_flight < self.inner.max_in_flight {
+                    break refused;
                 }
-                progress.settled(&confirmed, report);
-            }
-            progress.report(PROGRESS_STEP);
-            if report.refusal.is_some() || !claim_held() {
+                batch.changed().await;
+            };
+            if refused || !claim_held() {
                 break;
             }
             let message = match self.inner.envelope.message(tenant, row) {
                 Ok(message) => message,
                 Err(refusal) => {
-                    report.refuse(index, refusal);
+                    batch.state().report.refuse(index, refusal);
                     break;
                 }
             };
-            let send = channel.basic_publish(
+            channel.publish(
+                &batch,
+                (index, row.id),
                 self.inner.exchange.clone(),
-                message.routing_key,
-                BasicPublishOptions {
-                    mandatory: true,
-                    immediate: false,
-                },
-                message.body,
-                message.properties,
+                message,
+                Instant::now() + self.inner.confirm_timeout,
             );
-            let publish: Pin<Box<dyn Future<Output = lapin::Result<Confirmation>> + Send + 'a>> =
-                Box::pin(async move { send.await?.await });
-            let mut confirm = Box::pin(maybe_done(publish));
-            // The first poll assigns the delivery tag and queues the frames, in
-            // row order. It leaves a no-op waker behind: lapin's I/O thread
-            // would otherwise wake this task once when the frames are written
-            // and once when the confirm lands, for every message. Only the
-            // message being settled registers a real waker (see `settle`).
-            let _ = confirm
-                .as_mut()
-                .poll(&mut Context::from_waker(Waker::noop()));
-            in_flight.push_back(InFlight {
-                index,
-                deadline: Instant::now() + self.inner.confirm_timeout,
-                confirm,
-            });
         }
 
-        if clean {
-            // Settle everything sent, even after a refusal: a later confirm may
-            // carry the return of an earlier row, and the channel must be empty
-            // before it is reused. In steps: the broker confirms mostly in
-            // order, so waiting for a step's newest confirm first (within the
-            // oldest's deadline) wakes this task once per step rather than
-            // once per ack frame; the step is then settled in order.
-            'settle: while !in_flight.is_empty() {
-                let step = in_flight.len().min(PROGRESS_STEP);
-                let deadline = in_flight[0].deadline;
-                let newest = &mut in_flight[step - 1];
-                let _ = tokio::time::timeout_at(deadline, newest.confirm.as_mut()).await;
-                for _ in 0..step {
-                    if !self
-                        .settle_oldest(session, rows, &mut in_flight, &mut confirmed, report)
-                        .await
-                    {
-                        clean = false;
-                        break 'settle;
-                    }
-                    progress.settled(&confirmed, report);
-                }
-                // The last step is left to the caller's commit.
-                if !in_flight.is_empty() {
-                    progress.report(1);
-                }
+        // Everything sent is settled, even after a refusal: a later confirm
+        // may carry the return of an earlier row.
+        channel.sending_done(&batch);
+        // Its own confirms are due within `confirm_timeout`, and so are those
+        // of the messages published before they were all seen.
+        let give_up = Instant::now() + self.inner.confirm_timeout * 2 + COLLECTOR_GRACE;
+        loop {
+            let done = {
+                let state = batch.state();
+                progress.settled(&state.confirmed, &state.report);
+                state.done
+            };
+            if done {
+                break;
+            }
+            // The last step is left to the caller's commit.
+            progress.report(PROGRESS_STEP);
+            if tokio::time::timeout_at(give_up, batch.changed())
+                .await
+                .is_err()
+            {
+                let mut state = batch.state();
+                state.clean = false;
+                state.report.refuse(
+                    0,
+                    Refusal::new(FailureReason::Timeout, "confirms were not settled in time"),
+                );
+                drop(state);
+                self.reset();
+                break;
             }
         }
 
+        let mut state = batch.state();
+        let mut report = std::mem::take(&mut state.report);
         let limit = report.refusal.as_ref().map_or(rows.len(), |(at, _)| *at);
-        report.confirmed_at = confirmed
-            .into_iter()
+        report.confirmed_at = state
+            .confirmed
+            .iter()
             .take(limit)
-            .map_while(|at| at)
+            .map_while(|at| *at)
             .collect();
-        (clean, outcome)
-    }
-
-    /// Settles the oldest message in flight (see `settle`).
-    async fn settle_oldest(
-        &self,
-        session: &Session,
-        rows: &[OutboxRow],
-        in_flight: &mut VecDeque<InFlight<'_>>,
-        confirmed: &mut [Option<SystemTime>],
-        report: &mut BatchReport,
-    ) -> bool {
-        let oldest = in_flight.pop_front().expect("a message is in flight");
-        self.settle(session, rows, oldest, confirmed, report).await
-    }
-
-    /// Waits for one message's confirm. Returns `false` when the channel can no
-    /// longer be trusted (timeout or error).
-    async fn settle(
-        &self,
-        session: &Session,
-        rows: &[OutboxRow],
-        mut message: InFlight<'_>,
-        confirmed: &mut [Option<SystemTime>],
-        report: &mut BatchReport,
-    ) -> bool {
-        if tokio::time::timeout_at(message.deadline, message.confirm.as_mut())
-            .await
-            .is_err()
-        {
-            report.refuse(
-                message.index,
-                Refusal::new(
-                    FailureReason::Timeout,
-                    format!(
-                        "no confirm from the broker within {} ms",
-                        self.inner.confirm_timeout.as_millis()
-                    ),
-                ),
-            );
-            self.reset();
-            return false;
-        }
-        let outcome = message
-            .confirm
-            .as_mut()
-            .take_output()
-            .expect("a completed future has its output");
-        match outcome {
-            Ok(Confirmation::Ack(None)) => {
-                confirmed[message.index] = Some(SystemTime::now());
-                true
-            }
-            Ok(Confirmation::Ack(Some(returned))) => {
-                let returned_id = returned
-                    .delivery
-                    .properties
-                    .message_id()
-                    .as_ref()
-                    .and_then(|id| id.as_str().parse::<i64>().ok());
-                let index = returned_id
-                    .and_then(|id| rows.binary_search_by_key(&id, |r| r.id).ok())
-                    .unwrap_or(message.index);
-                if index != message.index {
-                    confirmed[message.index] = Some(SystemTime::now());
-                }
-                let detail = format!(
-                    "returned by the broker: {} {} (no queue bound for routing key {:?})",
-                    returned.reply_code,
-                    returned.reply_text,
-                    returned.delivery.routing_key.as_str()
-                );
-                report.refuse(index, Refusal::new(FailureReason::Unroutable, detail));
-                true
-            }
-            Ok(Confirmation::Nack(_)) => {
-                report.refuse(
-                    message.index,
-                    Refusal::new(FailureReason::Nack, "the broker nacked the message"),
-                );
-                true
-            }
-            Ok(Confirmation::NotRequested) => {
-                report.refuse(
-                    message.index,
-                    Refusal::new(FailureReason::Other, "the channel is not in confirm mode"),
-                );
-                false
-            }
-            Err(error) => {
-                let reason = if session.connection.status().connected() {
-                    FailureReason::Other
-                } else {
-                    FailureReason::Connection
-                };
-                report.refuse(message.index, Refusal::new(reason, error.to_string()));
-                if reason == FailureReason::Connection {
-                    self.reset();
-                }
-                false
-            }
-        }
+        report
     }
 }
 

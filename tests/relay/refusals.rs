@@ -113,6 +113,101 @@ async fn an_unroutable_row_stops_only_its_tenant_and_goes_out_once_a_queue_is_bo
     outbox.drop_schema().await;
 }
 
+/// A relay's sweeps share one channel, and lapin may hand a returned message
+/// to another sweep's confirm (even a later one's, with a multiple-ack). Many
+/// returns interleaved with other tenants' acks: each must reach its own row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn returns_reach_their_own_rows_when_tenants_share_a_channel() {
+    let outbox = Outbox::create().await;
+    let flowing = ["flow1", "flow2", "flow3", "flow4"];
+    let lost = ["lost1", "lost2", "lost3", "lost4"];
+    let bindings = flowing.map(|t| format!("{t}.#"));
+    let bindings: Vec<&str> = bindings.iter().map(String::as_str).collect();
+    let broker = Broker::create(&bindings).await;
+    let mut expected = std::collections::BTreeMap::new();
+    for round in 0..2 {
+        for (flow, lost) in flowing.iter().zip(&lost) {
+            let ids = outbox.insert_many(flow, 150).await;
+            expected
+                .entry(flow.to_string())
+                .or_insert_with(Vec::new)
+                .extend(ids);
+            if round == 0 {
+                outbox.insert_many(lost, 150).await;
+            }
+        }
+    }
+    let tenants: Vec<&str> = flowing.iter().chain(&lost).copied().collect();
+    let mut config = config(&outbox, &broker, &tenants);
+    config.concurrency = 8;
+    config.batch_size = 100;
+    config.max_in_flight = 100;
+    config.max_backoff_ms = 100;
+    let relay = start_relay(config).await;
+
+    eventually(
+        "the flowing tenants drain",
+        Duration::from_secs(30),
+        || async {
+            let mut pending = 0;
+            for tenant in flowing {
+                pending += outbox.pending(tenant).await;
+            }
+            pending == 0
+        },
+    )
+    .await;
+    eventually(
+        "every lost tenant's refusals are recorded",
+        Duration::from_secs(30),
+        || async {
+            let mut refused = true;
+            for tenant in lost {
+                refused &= outbox
+                    .first_pending(tenant)
+                    .await
+                    .is_some_and(|r| r.attempts >= 3);
+            }
+            refused
+        },
+    )
+    .await;
+    eventually("all received", Duration::from_secs(10), || async {
+        broker.count() >= 1_200
+    })
+    .await;
+    relay.stop().await;
+
+    for tenant in lost {
+        assert_eq!(
+            outbox.pending(tenant).await,
+            150,
+            "no row of {tenant} is marked published: every return reached its row"
+        );
+        let first = outbox.first_pending(tenant).await.unwrap();
+        let error = first.last_error.unwrap();
+        assert!(error.starts_with("unroutable: "), "{error}");
+        assert!(
+            error.contains(&format!("{tenant}.thing.changed")),
+            "{error}"
+        );
+    }
+    let received = by_tenant(&broker.received());
+    for tenant in flowing {
+        assert_eq!(
+            received[tenant], expected[tenant],
+            "{tenant}: each row once, in order (none refused by another's return)"
+        );
+        assert_eq!(
+            outbox.attempts(tenant).await,
+            0,
+            "{tenant}: nothing refused"
+        );
+    }
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nacked_row_marks_only_the_confirmed_prefix() {
     let outbox = Outbox::create().await;

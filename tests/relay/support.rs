@@ -184,6 +184,33 @@ impl Outbox {
             .get(0)
     }
 
+    /// The tenant's lowest pending row, if any.
+    pub async fn first_pending(&self, tenant: &str) -> Option<RowState> {
+        let sql = format!(
+            "SELECT id FROM {} WHERE tenant_id = $1 AND published_at IS NULL ORDER BY id LIMIT 1",
+            self.qualified()
+        );
+        let row = within("first pending", self.client.query_opt(&sql, &[&tenant]))
+            .await
+            .expect("first pending");
+        match row {
+            Some(row) => Some(self.row(row.get(0)).await),
+            None => None,
+        }
+    }
+
+    /// The refused publishes recorded over all of the tenant's rows.
+    pub async fn attempts(&self, tenant: &str) -> i64 {
+        let sql = format!(
+            "SELECT COALESCE(sum(attempts), 0)::bigint FROM {} WHERE tenant_id = $1",
+            self.qualified()
+        );
+        within("sum attempts", self.client.query_one(&sql, &[&tenant]))
+            .await
+            .expect("attempts")
+            .get(0)
+    }
+
     pub async fn row(&self, id: i64) -> RowState {
         let sql = format!(
             "SELECT published_at IS NOT NULL, attempts, last_error FROM {} WHERE id = $1",

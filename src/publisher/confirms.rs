@@ -1,0 +1,574 @@
+//! One confirm-mode channel shared by all of a relay's sweeps, and the task
+//! that settles its publisher confirms.
+//!
+//! One channel, because RabbitMQ's cost per message grows with the number of
+//! channels publishing at once: a channel per running sweep multiplied them by
+//! `concurrency` (README › Benchmarks).
+//!
+//! One task settles every confirm, because lapin hands a returned
+//! (unroutable) message to whichever confirm the next ack frame resolves
+//! first; with a multiple-ack that may be the confirm of a message another
+//! sweep published on the same channel, even a later one. So the collector
+//! owns every confirm of the channel, settles them in publish (delivery-tag)
+//! order, and gives each return to the batch whose row has its `message_id`.
+//! A batch is done only when every message published on the channel before
+//! its last confirm was seen has been settled as well: RabbitMQ sends a
+//! message's return before its ack, so by then the return has reached one of
+//! those confirms and been routed.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::task::{Context, Waker};
+use std::time::{Duration, SystemTime};
+
+use futures_util::future::{MaybeDone, maybe_done};
+use lapin::message::BasicReturnMessage;
+use lapin::options::BasicPublishOptions;
+use lapin::types::ShortString;
+use lapin::{Channel, Confirmation};
+use tokio::sync::{Notify, mpsc};
+use tokio::time::Instant;
+
+use super::{BatchReport, Session};
+use crate::envelope::{Message, Refusal};
+use crate::metrics::FailureReason;
+
+/// The collector waits for the newest of this many unsettled confirms before
+/// settling them in order: the broker confirms mostly in order, so this wakes
+/// it about once per step rather than once per ack frame.
+const STEP: usize = 64;
+
+type Confirm =
+    Pin<Box<MaybeDone<Pin<Box<dyn Future<Output = lapin::Result<Confirmation>> + Send>>>>>;
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A confirm-mode channel whose confirms the collector settles.
+pub(super) struct ConfirmChannel {
+    channel: Arc<Channel>,
+    ledger: Arc<Mutex<Ledger>>,
+    submit: mpsc::UnboundedSender<Published>,
+    /// A confirm timed out or failed: the channel is not used for new batches.
+    broken: Arc<AtomicBool>,
+}
+
+/// The channel's counts, shared by the publishing sweeps and the collector.
+#[derive(Default)]
+struct Ledger {
+    /// Messages published so far: the next message's sequence number, which
+    /// follows the channel's delivery tags.
+    published: u64,
+    /// Every message with a lower sequence number is settled.
+    settled: u64,
+    /// Batches with all their own confirms settled, and the `settled` count
+    /// they wait for.
+    waiting: Vec<(u64, Arc<Batch>)>,
+}
+
+impl Ledger {
+    /// Every message below `seq` is settled: the batches waiting for that are done.
+    fn settle_to(&mut self, seq: u64) -> Vec<Arc<Batch>> {
+        self.settled = seq;
+        let (finished, waiting) = std::mem::take(&mut self.waiting)
+            .into_iter()
+            .partition(|(until, _)| *until <= seq);
+        self.waiting = waiting;
+        finished.into_iter().map(|(_, batch)| batch).collect()
+    }
+}
+
+/// A published message, as the collector sees it.
+struct Published {
+    seq: u64,
+    batch: Arc<Batch>,
+    index: usize,
+    row_id: i64,
+    deadline: Instant,
+    confirm: Confirm,
+}
+
+/// One sweep's batch: what became of its messages so far.
+pub(super) struct Batch {
+    state: Mutex<BatchState>,
+    changed: Notify,
+}
+
+pub(super) struct BatchState {
+    /// When the broker acked each row (and it was not returned).
+    pub confirmed: Vec<Option<SystemTime>>,
+    pub report: BatchReport,
+    /// The batch's messages published, and settled, so far.
+    published: usize,
+    settled: usize,
+    /// Row ids published, for unrouting them when the batch is done.
+    ids: Vec<i64>,
+    sending_done: bool,
+    /// Registered to wait for the channel's `settled` count.
+    waiting: bool,
+    /// Every confirm that could carry one of its returns is settled.
+    pub done: bool,
+    /// No confirm timed out or failed.
+    pub clean: bool,
+}
+
+impl Batch {
+    pub fn new(rows: usize) -> Arc<Batch> {
+        Arc::new(Batch {
+            state: Mutex::new(BatchState {
+                confirmed: vec![None; rows],
+                report: BatchReport::default(),
+                published: 0,
+                settled: 0,
+                ids: Vec::with_capacity(rows),
+                sending_done: false,
+                waiting: false,
+                done: false,
+                clean: true,
+            }),
+            changed: Notify::new(),
+        })
+    }
+
+    pub fn state(&self) -> MutexGuard<'_, BatchState> {
+        lock(&self.state)
+    }
+
+    /// Resolves when the collector has changed the batch since last called.
+    pub async fn changed(&self) {
+        self.changed.notified().await;
+    }
+}
+
+impl BatchState {
+    /// Published but not settled.
+    pub fn in_flight(&self) -> usize {
+        self.published - self.settled
+    }
+}
+
+impl ConfirmChannel {
+    /// Wraps a confirm-mode `channel` and starts its collector. `session` is
+    /// told (reset) when a confirm times out or the connection fails.
+    pub fn start(channel: Channel, session: Weak<Session>) -> Arc<ConfirmChannel> {
+        let (submit, submissions) = mpsc::unbounded_channel();
+        let ledger = Arc::new(Mutex::new(Ledger::default()));
+        let broken = Arc::new(AtomicBool::new(false));
+        let collector = Collector {
+            queue: VecDeque::new(),
+            rows: HashMap::new(),
+            next_seq: 0,
+            ledger: ledger.clone(),
+            broken: broken.clone(),
+            session,
+        };
+        tokio::spawn(collector.run(submissions));
+        Arc::new(ConfirmChannel {
+            channel: Arc::new(channel),
+            ledger,
+            submit,
+            broken,
+        })
+    }
+
+    /// Open, and no confirm on it has timed out or failed.
+    pub fn is_usable(&self) -> bool {
+        !self.broken.load(Ordering::Relaxed) && self.channel.status().connected()
+    }
+
+    pub fn channel(&self) -> &Channel {
+        &self.channel
+    }
+
+    /// Publishes `message`, the row `row_id` at `index` of `batch`, to
+    /// `exchange`; the collector settles its confirm.
+    pub fn publish(
+        &self,
+        batch: &Arc<Batch>,
+        (index, row_id): (usize, i64),
+        exchange: ShortString,
+        message: Message<'_>,
+        deadline: Instant,
+    ) {
+        let channel = self.channel.clone();
+        let Message {
+            routing_key,
+            properties,
+            body,
+        } = message;
+        // Owned: the collector outlives the sweep's borrow of its rows.
+        let body = body.to_vec();
+        let send: Pin<Box<dyn Future<Output = lapin::Result<Confirmation>> + Send>> =
+            Box::pin(async move {
+                let options = BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                };
+                channel
+                    .basic_publish(exchange, routing_key, options, &body, properties)
+                    .await?
+                    .await
+            });
+        let mut confirm = Box::pin(maybe_done(send));
+        {
+            let mut state = batch.state();
+            state.published += 1;
+            state.ids.push(row_id);
+        }
+        // The first poll takes the next delivery tag and queues the frames.
+        // Under the ledger's lock, so sequence numbers follow delivery tags
+        // whichever thread publishes. It leaves a no-op waker behind: only the
+        // confirm the collector waits for registers a real one.
+        let mut ledger = lock(&self.ledger);
+        let _ = confirm
+            .as_mut()
+            .poll(&mut Context::from_waker(Waker::noop()));
+        let seq = ledger.published;
+        ledger.published += 1;
+        let published = Published {
+            seq,
+            batch: batch.clone(),
+            index,
+            row_id,
+            deadline,
+            confirm,
+        };
+        if let Err(mpsc::error::SendError(published)) = self.submit.send(published) {
+            // The collector is gone (it never stops while the channel is
+            // held); settle here so the batch still ends.
+            drop(ledger);
+            let mut state = batch.state();
+            state.settled += 1;
+            state.clean = false;
+            state.report.refuse(
+                published.index,
+                Refusal::new(FailureReason::Other, "the confirm collector stopped"),
+            );
+        }
+    }
+
+    /// The batch will publish nothing more: it is done once its confirms, and
+    /// every confirm that could carry one of its returns, are settled.
+    pub fn sending_done(&self, batch: &Arc<Batch>) {
+        let mut state = batch.state();
+        state.sending_done = true;
+        if state.settled == state.published {
+            wait_for_channel(&self.ledger, batch, &mut state);
+        }
+        drop(state);
+        batch.changed.notify_one();
+    }
+}
+
+/// A batch whose own confirms are all settled waits for every message
+/// published on the channel until now to be settled.
+fn wait_for_channel(ledger: &Mutex<Ledger>, batch: &Arc<Batch>, state: &mut BatchState) {
+    if state.waiting || state.done {
+        return;
+    }
+    let mut ledger = lock(ledger);
+    if ledger.settled >= ledger.published {
+        state.done = true;
+    } else {
+        state.waiting = true;
+        let until = ledger.published;
+        ledger.waiting.push((until, batch.clone()));
+    }
+}
+
+/// Settles the confirms of one channel, in publish order.
+struct Collector {
+    queue: VecDeque<Published>,
+    /// Row id → the batch and index of a row published and not yet done.
+    rows: HashMap<i64, (Arc<Batch>, usize)>,
+    /// The sequence number of the next message to settle.
+    next_seq: u64,
+    ledger: Arc<Mutex<Ledger>>,
+    broken: Arc<AtomicBool>,
+    session: Weak<Session>,
+}
+
+impl Collector {
+    async fn run(mut self, mut submissions: mpsc::UnboundedReceiver<Published>) {
+        loop {
+            if self.queue.is_empty() {
+                match submissions.recv().await {
+                    Some(published) => self.accept(published),
+                    None => return,
+                }
+            }
+            self.accept_all(&mut submissions);
+            let deadline = self.queue[0].deadline;
+            let step_end = self.queue.len().min(STEP) - 1;
+            let target = if is_done(&self.queue[step_end].confirm) {
+                0
+            } else {
+                step_end
+            };
+            let _ = tokio::time::timeout_at(deadline, self.queue[target].confirm.as_mut()).await;
+            // A return may name a message published since.
+            self.accept_all(&mut submissions);
+            self.settle_ready();
+        }
+    }
+
+    fn accept(&mut self, published: Published) {
+        self.rows
+            .insert(published.row_id, (published.batch.clone(), published.index));
+        self.queue.push_back(published);
+    }
+
+    fn accept_all(&mut self, submissions: &mut mpsc::UnboundedReceiver<Published>) {
+        while let Ok(published) = submissions.try_recv() {
+            self.accept(published);
+        }
+    }
+
+    /// Settles, in order, every confirm from the oldest that has arrived (or
+    /// whose deadline has passed), then tells the batches concerned.
+    fn settle_ready(&mut self) {
+        let mut touched: Vec<Arc<Batch>> = Vec::new();
+        let now = Instant::now();
+        while let Some(oldest) = self.queue.front_mut() {
+            let arrived = oldest
+                .confirm
+                .as_mut()
+                .poll(&mut Context::from_waker(Waker::noop()))
+                .is_ready();
+            if !arrived && now < oldest.deadline {
+                break;
+            }
+            let published = self.queue.pop_front().expect("checked above");
+            self.next_seq = published.seq + 1;
+            self.settle(published, &mut touched);
+        }
+
+        // Batches whose own confirms are now all settled start waiting for the
+        // channel; those whose wait is over are done.
+        for batch in &touched {
+            let mut state = batch.state();
+            if state.sending_done && state.settled == state.published {
+                wait_for_channel(&self.ledger, batch, &mut state);
+            }
+        }
+        let finished = lock(&self.ledger).settle_to(self.next_seq);
+        for batch in finished {
+            let ids = {
+                let mut state = batch.state();
+                state.done = true;
+                std::mem::take(&mut state.ids)
+            };
+            // Done: a return can no longer name its rows.
+            for id in ids {
+                if self
+                    .rows
+                    .get(&id)
+                    .is_some_and(|(owner, _)| Arc::ptr_eq(owner, &batch))
+                {
+                    self.rows.remove(&id);
+                }
+            }
+            batch.changed.notify_one();
+        }
+        for batch in touched {
+            batch.changed.notify_one();
+        }
+    }
+
+    fn settle(&mut self, mut published: Published, touched: &mut Vec<Arc<Batch>>) {
+        let outcome = published.confirm.as_mut().take_output();
+        let index = published.index;
+        let mut returned = None;
+        let mut refusal = None;
+        let mut reset = false;
+        match outcome {
+            None => {
+                reset = true;
+                refusal = Some(Refusal::new(
+                    FailureReason::Timeout,
+                    "no confirm from the broker in time",
+                ));
+            }
+            Some(Ok(Confirmation::Ack(message))) => returned = message,
+            Some(Ok(Confirmation::Nack(message))) => {
+                returned = message;
+                refusal = Some(Refusal::new(
+                    FailureReason::Nack,
+                    "the broker nacked the message",
+                ));
+            }
+            Some(Ok(Confirmation::NotRequested)) => {
+                refusal = Some(Refusal::new(
+                    FailureReason::Other,
+                    "the channel is not in confirm mode",
+                ));
+            }
+            Some(Err(error)) => {
+                reset = !self
+                    .session
+                    .upgrade()
+                    .is_some_and(|s| s.connection.status().connected());
+                let reason = if reset {
+                    FailureReason::Connection
+                } else {
+                    FailureReason::Other
+                };
+                refusal = Some(Refusal::new(reason, error.to_string()));
+            }
+        }
+        // Anything but an ack or a nack leaves the channel in doubt.
+        let failed = refusal
+            .as_ref()
+            .is_some_and(|r| r.reason != FailureReason::Nack);
+        {
+            let mut state = published.batch.state();
+            state.settled += 1;
+            match refusal {
+                Some(refusal) => state.report.refuse(index, refusal),
+                None if returned_id_is(&returned, published.row_id) => {}
+                None => state.confirmed[index] = Some(SystemTime::now()),
+            }
+            if failed {
+                state.clean = false;
+            }
+        }
+        if failed {
+            self.broken.store(true, Ordering::Relaxed);
+        }
+        if reset {
+            // A silent or lost connection: drop it; the supervisor reconnects.
+            if let Some(session) = self.session.upgrade() {
+                session.broken.notify_one();
+            }
+        }
+        add_touched(touched, &published.batch);
+        if let Some(message) = returned {
+            self.route_return(message, &published, touched);
+        }
+    }
+
+    /// Refuses the row a returned message names, in whichever batch holds it.
+    fn route_return(
+        &self,
+        message: BasicReturnMessage,
+        carrier: &Published,
+        touched: &mut Vec<Arc<Batch>>,
+    ) {
+        let detail = format!(
+            "returned by the broker: {} {} (no queue bound for routing key {:?})",
+            message.reply_code,
+            message.reply_text,
+            message.delivery.routing_key.as_str()
+        );
+        let owner = match returned_id(&message) {
+            Some(id) if id == carrier.row_id => Some((carrier.batch.clone(), carrier.index)),
+            Some(id) => self.rows.get(&id).cloned(),
+            // Not one of ours by its id: it can only be the carrier's.
+            None => Some((carrier.batch.clone(), carrier.index)),
+        };
+        match owner {
+            Some((batch, index)) => {
+                let mut state = batch.state();
+                state.confirmed[index] = None;
+                state
+                    .report
+                    .refuse(index, Refusal::new(FailureReason::Unroutable, detail));
+                drop(state);
+                add_touched(touched, &batch);
+            }
+            None => tracing::error!(
+                message_id = ?returned_id(&message),
+                "a returned message names no row in flight; its row may have been marked published"
+            ),
+        }
+    }
+}
+
+fn returned_id(message: &BasicReturnMessage) -> Option<i64> {
+    message
+        .delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .and_then(|id| id.as_str().parse().ok())
+}
+
+/// The returned message (if any) is the row's own.
+fn returned_id_is(message: &Option<BasicReturnMessage>, row_id: i64) -> bool {
+    message
+        .as_ref()
+        .is_some_and(|m| returned_id(m) == Some(row_id))
+}
+
+fn add_touched(touched: &mut Vec<Arc<Batch>>, batch: &Arc<Batch>) {
+    if !touched.iter().any(|b| Arc::ptr_eq(b, batch)) {
+        touched.push(batch.clone());
+    }
+}
+
+fn is_done(confirm: &Confirm) -> bool {
+    matches!(confirm.as_ref().get_ref(), MaybeDone::Done(_))
+}
+
+/// How long a batch waits for the collector beyond its confirm timeout before
+/// it gives up on it (the collector never takes that long unless it stopped).
+pub(super) const COLLECTOR_GRACE: Duration = Duration::from_secs(5);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settle_own(ledger: &Mutex<Ledger>, batch: &Arc<Batch>, published: usize) {
+        let mut state = batch.state();
+        state.published = published;
+        state.settled = published;
+        state.sending_done = true;
+        wait_for_channel(ledger, batch, &mut state);
+    }
+
+    #[test]
+    fn a_batch_is_done_once_everything_published_before_it_settled() {
+        let ledger = Mutex::new(Ledger::default());
+        lock(&ledger).published = 10;
+        lock(&ledger).settle_to(4);
+        // Its own confirms are all settled, but messages 4..10 (other
+        // batches') may still carry one of its returns.
+        let batch = Batch::new(3);
+        settle_own(&ledger, &batch, 3);
+        assert!(!batch.state().done);
+        // Published after it finished: not waited for.
+        lock(&ledger).published = 15;
+        assert!(lock(&ledger).settle_to(9).is_empty());
+        assert!(!batch.state().done);
+        let finished = lock(&ledger).settle_to(10);
+        assert_eq!(finished.len(), 1);
+        assert!(Arc::ptr_eq(&finished[0], &batch));
+        assert!(lock(&ledger).waiting.is_empty());
+    }
+
+    #[test]
+    fn a_batch_is_done_at_once_when_nothing_else_is_in_flight() {
+        let ledger = Mutex::new(Ledger::default());
+        lock(&ledger).published = 5;
+        lock(&ledger).settle_to(5);
+        let batch = Batch::new(5);
+        settle_own(&ledger, &batch, 5);
+        assert!(batch.state().done);
+        assert!(lock(&ledger).waiting.is_empty());
+    }
+
+    #[test]
+    fn a_batch_waits_once_however_often_it_is_checked() {
+        let ledger = Mutex::new(Ledger::default());
+        lock(&ledger).published = 8;
+        let batch = Batch::new(2);
+        settle_own(&ledger, &batch, 2);
+        settle_own(&ledger, &batch, 2);
+        assert_eq!(lock(&ledger).waiting.len(), 1);
+        assert_eq!(lock(&ledger).settle_to(8).len(), 1);
+    }
+}
