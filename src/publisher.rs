@@ -448,13 +448,11 @@ impl Publisher {
                 .await
                 .is_err()
             {
-                let mut state = batch.state();
-                state.clean = false;
-                state.report.refuse(
+                batch.state().report.refuse(
                     0,
                     Refusal::new(FailureReason::Timeout, "confirms were not settled in time"),
                 );
-                drop(state);
+                channel.retire();
                 self.reset();
                 break;
             }

@@ -112,8 +112,6 @@ pub(super) struct BatchState {
     waiting: bool,
     /// Every confirm that could carry one of its returns is settled.
     pub done: bool,
-    /// No confirm timed out or failed.
-    pub clean: bool,
 }
 
 impl Batch {
@@ -128,7 +126,6 @@ impl Batch {
                 sending_done: false,
                 waiting: false,
                 done: false,
-                clean: true,
             }),
             changed: Notify::new(),
         })
@@ -178,6 +175,11 @@ impl ConfirmChannel {
     /// Open, and no confirm on it has timed out or failed.
     pub fn is_usable(&self) -> bool {
         !self.broken.load(Ordering::Relaxed) && self.channel.status().connected()
+    }
+
+    /// New batches are to use a new channel.
+    pub fn retire(&self) {
+        self.broken.store(true, Ordering::Relaxed);
     }
 
     pub fn channel(&self) -> &Channel {
@@ -241,9 +243,9 @@ impl ConfirmChannel {
             // The collector is gone (it never stops while the channel is
             // held); settle here so the batch still ends.
             drop(ledger);
+            self.retire();
             let mut state = batch.state();
             state.settled += 1;
-            state.clean = false;
             state.report.refuse(
                 published.index,
                 Refusal::new(FailureReason::Other, "the confirm collector stopped"),
@@ -431,9 +433,6 @@ impl Collector {
                 Some(refusal) => state.report.refuse(index, refusal),
                 None if returned_id_is(&returned, published.row_id) => {}
                 None => state.confirmed[index] = Some(SystemTime::now()),
-            }
-            if failed {
-                state.clean = false;
             }
         }
         if failed {
