@@ -68,10 +68,13 @@ struct Ledger {
     /// Batches with all their own confirms settled, and the `settled` count
     /// they wait for.
     waiting: Vec<(u64, Arc<Batch>)>,
+    /// Row id → the batch and index of a row published in a batch not done.
+    rows: HashMap<i64, (Arc<Batch>, usize)>,
 }
 
 impl Ledger {
-    /// Every message below `seq` is settled: the batches waiting for that are done.
+    /// Every message below `seq` is settled: the batches waiting for that are
+    /// done (see `finish`).
     fn settle_to(&mut self, seq: u64) -> Vec<Arc<Batch>> {
         self.settled = seq;
         let (finished, waiting) = std::mem::take(&mut self.waiting)
@@ -79,6 +82,20 @@ impl Ledger {
             .partition(|(until, _)| *until <= seq);
         self.waiting = waiting;
         finished.into_iter().map(|(_, batch)| batch).collect()
+    }
+
+    /// The batch is done: a return can no longer name its rows.
+    fn finish(&mut self, batch: &Arc<Batch>, state: &mut BatchState) {
+        state.done = true;
+        for id in std::mem::take(&mut state.ids) {
+            if self
+                .rows
+                .get(&id)
+                .is_some_and(|(owner, _)| Arc::ptr_eq(owner, batch))
+            {
+                self.rows.remove(&id);
+            }
+        }
     }
 }
 
@@ -157,7 +174,6 @@ impl ConfirmChannel {
         let broken = Arc::new(AtomicBool::new(false));
         let collector = Collector {
             queue: VecDeque::new(),
-            rows: HashMap::new(),
             next_seq: 0,
             ledger: ledger.clone(),
             broken: broken.clone(),
@@ -231,6 +247,7 @@ impl ConfirmChannel {
             .poll(&mut Context::from_waker(Waker::noop()));
         let seq = ledger.published;
         ledger.published += 1;
+        ledger.rows.insert(row_id, (batch.clone(), index));
         let published = Published {
             seq,
             batch: batch.clone(),
@@ -274,7 +291,7 @@ fn wait_for_channel(ledger: &Mutex<Ledger>, batch: &Arc<Batch>, state: &mut Batc
     }
     let mut ledger = lock(ledger);
     if ledger.settled >= ledger.published {
-        state.done = true;
+        ledger.finish(batch, state);
     } else {
         state.waiting = true;
         let until = ledger.published;
@@ -285,8 +302,6 @@ fn wait_for_channel(ledger: &Mutex<Ledger>, batch: &Arc<Batch>, state: &mut Batc
 /// Settles the confirms of one channel, in publish order.
 struct Collector {
     queue: VecDeque<Published>,
-    /// Row id → the batch and index of a row published and not yet done.
-    rows: HashMap<i64, (Arc<Batch>, usize)>,
     /// The sequence number of the next message to settle.
     next_seq: u64,
     ledger: Arc<Mutex<Ledger>>,
@@ -299,7 +314,7 @@ impl Collector {
         loop {
             if self.queue.is_empty() {
                 match submissions.recv().await {
-                    Some(published) => self.accept(published),
+                    Some(published) => self.queue.push_back(published),
                     None => return,
                 }
             }
@@ -312,21 +327,15 @@ impl Collector {
                 step_end
             };
             let _ = tokio::time::timeout_at(deadline, self.queue[target].confirm.as_mut()).await;
-            // A return may name a message published since.
+            // Settle as far as has arrived, including messages published since.
             self.accept_all(&mut submissions);
             self.settle_ready();
         }
     }
 
-    fn accept(&mut self, published: Published) {
-        self.rows
-            .insert(published.row_id, (published.batch.clone(), published.index));
-        self.queue.push_back(published);
-    }
-
     fn accept_all(&mut self, submissions: &mut mpsc::UnboundedReceiver<Published>) {
         while let Ok(published) = submissions.try_recv() {
-            self.accept(published);
+            self.queue.push_back(published);
         }
     }
 
@@ -359,21 +368,9 @@ impl Collector {
         }
         let finished = lock(&self.ledger).settle_to(self.next_seq);
         for batch in finished {
-            let ids = {
-                let mut state = batch.state();
-                state.done = true;
-                std::mem::take(&mut state.ids)
-            };
-            // Done: a return can no longer name its rows.
-            for id in ids {
-                if self
-                    .rows
-                    .get(&id)
-                    .is_some_and(|(owner, _)| Arc::ptr_eq(owner, &batch))
-                {
-                    self.rows.remove(&id);
-                }
-            }
+            let mut state = batch.state();
+            lock(&self.ledger).finish(&batch, &mut state);
+            drop(state);
             batch.changed.notify_one();
         }
         for batch in touched {
@@ -465,7 +462,7 @@ impl Collector {
         );
         let owner = match returned_id(&message) {
             Some(id) if id == carrier.row_id => Some((carrier.batch.clone(), carrier.index)),
-            Some(id) => self.rows.get(&id).cloned(),
+            Some(id) => lock(&self.ledger).rows.get(&id).cloned(),
             // Not one of ours by its id: it can only be the carrier's.
             None => Some((carrier.batch.clone(), carrier.index)),
         };
@@ -529,6 +526,20 @@ mod tests {
         wait_for_channel(ledger, batch, &mut state);
     }
 
+    /// Records row `id` as published at `index` of `batch`.
+    fn publish_row(ledger: &Mutex<Ledger>, batch: &Arc<Batch>, index: usize, id: i64) {
+        batch.state().ids.push(id);
+        lock(ledger).rows.insert(id, (batch.clone(), index));
+    }
+
+    fn finish_all(ledger: &Mutex<Ledger>, seq: u64) {
+        let finished = lock(ledger).settle_to(seq);
+        for batch in finished {
+            let mut state = batch.state();
+            lock(ledger).finish(&batch, &mut state);
+        }
+    }
+
     #[test]
     fn a_batch_is_done_once_everything_published_before_it_settled() {
         let ledger = Mutex::new(Ledger::default());
@@ -558,6 +569,45 @@ mod tests {
         settle_own(&ledger, &batch, 5);
         assert!(batch.state().done);
         assert!(lock(&ledger).waiting.is_empty());
+    }
+
+    #[test]
+    fn returns_can_name_a_batch_only_until_it_is_done() {
+        let ledger = Mutex::new(Ledger::default());
+        let first = Batch::new(2);
+        publish_row(&ledger, &first, 0, 10);
+        publish_row(&ledger, &first, 1, 11);
+        let second = Batch::new(1);
+        publish_row(&ledger, &second, 0, 20);
+        lock(&ledger).published = 3;
+        settle_own(&ledger, &first, 2);
+        assert!(
+            lock(&ledger).rows.contains_key(&10),
+            "not done: still named"
+        );
+        finish_all(&ledger, 3);
+        assert!(first.state().done);
+        assert!(!lock(&ledger).rows.contains_key(&10));
+        assert!(!lock(&ledger).rows.contains_key(&11));
+        // Done at once (nothing else in flight): forgotten just the same.
+        settle_own(&ledger, &second, 1);
+        assert!(second.state().done);
+        assert!(lock(&ledger).rows.is_empty());
+    }
+
+    #[test]
+    fn a_row_sent_again_stays_named_for_its_new_batch() {
+        let ledger = Mutex::new(Ledger::default());
+        let abandoned = Batch::new(1);
+        publish_row(&ledger, &abandoned, 0, 7);
+        let again = Batch::new(1);
+        publish_row(&ledger, &again, 0, 7);
+        lock(&ledger).published = 2;
+        settle_own(&ledger, &abandoned, 1);
+        finish_all(&ledger, 2);
+        assert!(abandoned.state().done);
+        let named = lock(&ledger).rows.get(&7).map(|(b, _)| b.clone());
+        assert!(named.is_some_and(|b| Arc::ptr_eq(&b, &again)));
     }
 
     #[test]
