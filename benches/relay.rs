@@ -19,8 +19,9 @@
 //! Knobs (environment): BENCH_ROWS (100000), BENCH_RUNS (3), BENCH_RATE
 //! (1000 rows/s), BENCH_STEADY_SECS (20), BENCH_IDLE_SECS (10), BENCH_ONLY
 //! (comma-separated scenario names), BENCH_DRAIN (drain shapes, of 256 B
-//! and 4 KiB alike, e.g. `100x3,1x1`), BENCH_VERBOSE (per run: rates, relay CPU, sweeps by
-//! outcome, arrival timeline), BENCH_WRAP (a command the relay runs under,
+//! and 4 KiB alike, e.g. `100x3,1x1`), BENCH_VERBOSE (per run: rates, CPU
+//! per message of RabbitMQ, PostgreSQL and the relays, sweeps by outcome,
+//! arrival timeline), BENCH_WRAP (a command the relay runs under,
 //! e.g. `valgrind --tool=callgrind`), plus OUTBOX_BATCH_SIZE,
 //! OUTBOX_MAX_IN_FLIGHT, OUTBOX_CONCURRENCY, OUTBOX_POLL_MS passed to the
 //! relays. Results: a table on stdout and `target/bench-relay.json`.
