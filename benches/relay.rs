@@ -410,34 +410,64 @@ fn service_cpu() -> (f64, f64) {
         return (0.0, 0.0);
     };
     for entry in entries.flatten() {
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+        let Some(stat) = ProcStat::read(&entry.path()) else {
             continue;
         };
-        let Some((head, rest)) = stat.rsplit_once(')') else {
-            continue;
-        };
-        let comm = head.split_once('(').map_or("", |(_, c)| c);
-        let fields: Vec<f64> = rest
-            .split_whitespace()
-            .map(|v| v.parse().unwrap_or(0.0))
-            .collect();
-        // Fields after the command: state ppid … utime(11) stime(12) cutime(13) cstime(14).
-        let field = |i: usize| fields.get(i).copied().unwrap_or(0.0) / 100.0;
-        match comm {
-            "beam.smp" => broker += field(11) + field(12),
+        match stat.comm.as_str() {
+            "beam.smp" => broker += stat.cpu_seconds(),
             "postgres" => {
-                database += field(11) + field(12);
-                let ppid = rest.split_whitespace().nth(1).unwrap_or_default();
-                let parent =
-                    std::fs::read_to_string(format!("/proc/{ppid}/comm")).unwrap_or_default();
+                database += stat.cpu_seconds();
+                let parent = std::fs::read_to_string(format!("/proc/{}/comm", stat.ppid))
+                    .unwrap_or_default();
                 if parent.trim() != "postgres" {
-                    database += field(13) + field(14);
+                    database += stat.children_cpu_seconds();
                 }
             }
             _ => {}
         }
     }
     (broker, database)
+}
+
+/// The parts of `/proc/<pid>/stat` the benchmark reads.
+struct ProcStat {
+    comm: String,
+    ppid: String,
+    /// The fields after the command name (state is index 0).
+    fields: Vec<f64>,
+}
+
+impl ProcStat {
+    fn read(process: &std::path::Path) -> Option<ProcStat> {
+        let stat = std::fs::read_to_string(process.join("stat")).ok()?;
+        let (head, rest) = stat.rsplit_once(')')?;
+        Some(ProcStat {
+            comm: head.split_once('(').map_or("", |(_, c)| c).to_string(),
+            ppid: rest
+                .split_whitespace()
+                .nth(1)
+                .unwrap_or_default()
+                .to_string(),
+            fields: rest
+                .split_whitespace()
+                .map(|v| v.parse().unwrap_or(0.0))
+                .collect(),
+        })
+    }
+
+    fn seconds(&self, index: usize) -> f64 {
+        self.fields.get(index).copied().unwrap_or(0.0) / 100.0
+    }
+
+    /// utime + stime.
+    fn cpu_seconds(&self) -> f64 {
+        self.seconds(11) + self.seconds(12)
+    }
+
+    /// cutime + cstime: the children it has reaped.
+    fn children_cpu_seconds(&self) -> f64 {
+        self.seconds(13) + self.seconds(14)
+    }
 }
 
 /// CPU time the machine has spent busy (all cores, all processes), from /proc/stat.
@@ -526,22 +556,8 @@ impl RelayProcess {
 
     /// User + system CPU seconds so far.
     fn cpu_seconds(&self) -> f64 {
-        let stat =
-            std::fs::read_to_string(format!("/proc/{}/stat", self.0.id())).unwrap_or_default();
-        let fields: Vec<&str> = stat
-            .rsplit(')')
-            .next()
-            .unwrap_or_default()
-            .split_whitespace()
-            .collect();
-        let ticks = |i: usize| {
-            fields
-                .get(i)
-                .and_then(|v| v.parse::<f64>().ok())
-                .unwrap_or(0.0)
-        };
-        // After the command name: state is field 3 (index 0); utime 14, stime 15.
-        (ticks(11) + ticks(12)) / 100.0
+        ProcStat::read(std::path::Path::new(&format!("/proc/{}", self.0.id())))
+            .map_or(0.0, |stat| stat.cpu_seconds())
     }
 
     /// Peak resident set size, MiB.

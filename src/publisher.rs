@@ -29,7 +29,7 @@ use crate::envelope::{Envelope, Refusal};
 use crate::metrics::{FailureReason, Metrics};
 use crate::redact::redact_url;
 use crate::store::OutboxRow;
-use confirms::{Batch, COLLECTOR_GRACE, ConfirmChannel};
+use confirms::{Batch, ConfirmChannel};
 
 /// Deadline for connecting (TCP, TLS, AMQP handshake) and for opening a channel.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -84,6 +84,13 @@ impl BatchReport {
     }
 }
 
+/// Where a batch stands, as its publisher last looked.
+struct BatchNow {
+    in_flight: usize,
+    refused: bool,
+    done: bool,
+}
+
 /// The confirmed prefix of a batch as it grows, and whom to tell.
 struct Progress<'p> {
     prefix: usize,
@@ -100,14 +107,21 @@ impl<'p> Progress<'p> {
         }
     }
 
-    /// A message was settled: while nothing is refused, the prefix reaches
-    /// over every row confirmed from the start.
-    fn settled(&mut self, confirmed: &[Option<SystemTime>], report: &BatchReport) {
-        if report.refusal.is_none() {
-            self.prefix += confirmed[self.prefix..]
+    /// Catches up with what the collector has settled of `batch`: while
+    /// nothing is refused, the prefix reaches over every row confirmed from
+    /// the start.
+    fn follow(&mut self, batch: &Batch) -> BatchNow {
+        let state = batch.state();
+        if state.report.refusal.is_none() {
+            self.prefix += state.confirmed[self.prefix..]
                 .iter()
                 .take_while(|at| at.is_some())
                 .count();
+        }
+        BatchNow {
+            in_flight: state.in_flight(),
+            refused: state.report.refusal.is_some(),
+            done: state.done,
         }
     }
 
@@ -397,16 +411,15 @@ impl Publisher {
         for (index, row) in rows.iter().enumerate() {
             // Within the window, and nothing refused so far.
             let refused = loop {
-                let (in_flight, refused) = {
-                    let state = batch.state();
-                    progress.settled(&state.confirmed, &state.report);
-                    (state.in_flight(), state.report.refusal.is_some())
-                };
+                let now = progress.follow(&batch);
                 progress.report(PROGRESS_STEP);
-                if refused || in_flight < self.inner.max_in_flight {
-                    break refused;
+                if now.refused || now.in_flight < self.inner.max_in_flight {
+                    break now.refused;
                 }
-                batch.changed().await;
+                if !channel.changed(&batch).await {
+                    collector_stopped(channel, &batch);
+                    break true;
+                }
             };
             if refused || !claim_held() {
                 break;
@@ -430,30 +443,14 @@ impl Publisher {
         // Everything sent is settled, even after a refusal: a later confirm
         // may carry the return of an earlier row.
         channel.sending_done(&batch);
-        // Its own confirms are due within `confirm_timeout`, and so are those
-        // of the messages published before they were all seen.
-        let give_up = Instant::now() + self.inner.confirm_timeout * 2 + COLLECTOR_GRACE;
         loop {
-            let done = {
-                let state = batch.state();
-                progress.settled(&state.confirmed, &state.report);
-                state.done
-            };
-            if done {
+            if progress.follow(&batch).done {
                 break;
             }
             // The last step is left to the caller's commit.
             progress.report(PROGRESS_STEP);
-            if tokio::time::timeout_at(give_up, batch.changed())
-                .await
-                .is_err()
-            {
-                batch.state().report.refuse(
-                    0,
-                    Refusal::new(FailureReason::Timeout, "confirms were not settled in time"),
-                );
-                channel.retire();
-                self.reset();
+            if !channel.changed(&batch).await {
+                collector_stopped(channel, &batch);
                 break;
             }
         }
@@ -469,6 +466,15 @@ impl Publisher {
             .collect();
         report
     }
+}
+
+/// Nothing of `batch` is known to be settled: it is not marked.
+fn collector_stopped(channel: &ConfirmChannel, batch: &Batch) {
+    batch.state().report.refuse(
+        0,
+        Refusal::new(FailureReason::Other, "the confirm collector stopped"),
+    );
+    channel.retire();
 }
 
 /// Resolves when the session can no longer be used, with why.

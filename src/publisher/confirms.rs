@@ -16,7 +16,7 @@
 //! message's return before its ack, so by then the return has reached one of
 //! those confirms and been routed.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -55,6 +55,7 @@ pub(super) struct ConfirmChannel {
     submit: mpsc::UnboundedSender<Published>,
     /// A confirm timed out or failed: the channel is not used for new batches.
     broken: Arc<AtomicBool>,
+    collector: tokio::task::JoinHandle<()>,
 }
 
 /// The channel's counts, shared by the publishing sweeps and the collector.
@@ -68,8 +69,9 @@ struct Ledger {
     /// Batches with all their own confirms settled, and the `settled` count
     /// they wait for.
     waiting: Vec<(u64, Arc<Batch>)>,
-    /// Row id → the batch and index of a row published in a batch not done.
-    rows: HashMap<i64, (Arc<Batch>, usize)>,
+    /// Batches that have published and are not done, oldest first: those a
+    /// return can still name.
+    open: Vec<Arc<Batch>>,
 }
 
 impl Ledger {
@@ -87,16 +89,20 @@ impl Ledger {
     /// The batch is done: a return can no longer name its rows.
     fn finish(&mut self, batch: &Arc<Batch>, state: &mut BatchState) {
         state.done = true;
-        for id in std::mem::take(&mut state.ids) {
-            if self
-                .rows
-                .get(&id)
-                .is_some_and(|(owner, _)| Arc::ptr_eq(owner, batch))
-            {
-                self.rows.remove(&id);
-            }
-        }
+        self.open.retain(|open| !Arc::ptr_eq(open, batch));
     }
+}
+
+/// The batch not done whose rows include `row_id`, and its index there; the
+/// newest if the row was sent again.
+fn owner_of(ledger: &Mutex<Ledger>, row_id: i64) -> Option<(Arc<Batch>, usize)> {
+    let open = lock(ledger).open.clone();
+    open.into_iter().rev().find_map(|batch| {
+        // Rows go out in order from index 0: a row's position among the
+        // ids published is its index. (Returns are rare; a scan will do.)
+        let index = batch.state().ids.iter().position(|id| *id == row_id)?;
+        Some((batch, index))
+    })
 }
 
 /// A published message, as the collector sees it.
@@ -122,7 +128,7 @@ pub(super) struct BatchState {
     /// The batch's messages published, and settled, so far.
     published: usize,
     settled: usize,
-    /// Row ids published, for unrouting them when the batch is done.
+    /// Row ids published, in row order.
     ids: Vec<i64>,
     sending_done: bool,
     /// Registered to wait for the channel's `settled` count.
@@ -151,11 +157,6 @@ impl Batch {
     pub fn state(&self) -> MutexGuard<'_, BatchState> {
         lock(&self.state)
     }
-
-    /// Resolves when the collector has changed the batch since last called.
-    pub async fn changed(&self) {
-        self.changed.notified().await;
-    }
 }
 
 impl BatchState {
@@ -179,18 +180,34 @@ impl ConfirmChannel {
             broken: broken.clone(),
             session,
         };
-        tokio::spawn(collector.run(submissions));
+        let collector = tokio::spawn(collector.run(submissions));
         Arc::new(ConfirmChannel {
             channel: Arc::new(channel),
             ledger,
             submit,
             broken,
+            collector,
         })
     }
 
     /// Open, and no confirm on it has timed out or failed.
     pub fn is_usable(&self) -> bool {
         !self.broken.load(Ordering::Relaxed) && self.channel.status().connected()
+    }
+
+    /// Waits until the collector changes `batch`. `false` if the collector
+    /// has stopped (it only does once the channel is dropped, or if it
+    /// panicked): nothing more will be settled.
+    pub async fn changed(&self, batch: &Batch) -> bool {
+        loop {
+            let changed = tokio::time::timeout(COLLECTOR_CHECK, batch.changed.notified()).await;
+            if changed.is_ok() {
+                return true;
+            }
+            if self.collector.is_finished() {
+                return false;
+            }
+        }
     }
 
     /// New batches are to use a new channel.
@@ -232,11 +249,12 @@ impl ConfirmChannel {
                     .await
             });
         let mut confirm = Box::pin(maybe_done(send));
-        {
+        let first = {
             let mut state = batch.state();
             state.published += 1;
             state.ids.push(row_id);
-        }
+            state.published == 1
+        };
         // The first poll takes the next delivery tag and queues the frames.
         // Under the ledger's lock, so sequence numbers follow delivery tags
         // whichever thread publishes. It leaves a no-op waker behind: only the
@@ -247,7 +265,9 @@ impl ConfirmChannel {
             .poll(&mut Context::from_waker(Waker::noop()));
         let seq = ledger.published;
         ledger.published += 1;
-        ledger.rows.insert(row_id, (batch.clone(), index));
+        if first {
+            ledger.open.push(batch.clone());
+        }
         let published = Published {
             seq,
             batch: batch.clone(),
@@ -462,7 +482,7 @@ impl Collector {
         );
         let owner = match returned_id(&message) {
             Some(id) if id == carrier.row_id => Some((carrier.batch.clone(), carrier.index)),
-            Some(id) => lock(&self.ledger).rows.get(&id).cloned(),
+            Some(id) => owner_of(&self.ledger, id),
             // Not one of ours by its id: it can only be the carrier's.
             None => Some((carrier.batch.clone(), carrier.index)),
         };
@@ -510,9 +530,10 @@ fn is_done(confirm: &Confirm) -> bool {
     matches!(confirm.as_ref().get_ref(), MaybeDone::Done(_))
 }
 
-/// How long a batch waits for the collector beyond its confirm timeout before
-/// it gives up on it (the collector never takes that long unless it stopped).
-pub(super) const COLLECTOR_GRACE: Duration = Duration::from_secs(5);
+/// How often a batch waiting for the collector checks that it still runs.
+/// (The collector enforces every confirm's deadline; this only guards against
+/// it having stopped.)
+const COLLECTOR_CHECK: Duration = Duration::from_secs(1);
 
 #[cfg(test)]
 mod tests {
@@ -526,10 +547,16 @@ mod tests {
         wait_for_channel(ledger, batch, &mut state);
     }
 
-    /// Records row `id` as published at `index` of `batch`.
-    fn publish_row(ledger: &Mutex<Ledger>, batch: &Arc<Batch>, index: usize, id: i64) {
-        batch.state().ids.push(id);
-        lock(ledger).rows.insert(id, (batch.clone(), index));
+    /// Records row `id` as the next one `batch` published.
+    fn publish_row(ledger: &Mutex<Ledger>, batch: &Arc<Batch>, id: i64) {
+        let first = {
+            let mut state = batch.state();
+            state.ids.push(id);
+            state.ids.len() == 1
+        };
+        if first {
+            lock(ledger).open.push(batch.clone());
+        }
     }
 
     fn finish_all(ledger: &Mutex<Ledger>, seq: u64) {
@@ -575,38 +602,36 @@ mod tests {
     fn returns_can_name_a_batch_only_until_it_is_done() {
         let ledger = Mutex::new(Ledger::default());
         let first = Batch::new(2);
-        publish_row(&ledger, &first, 0, 10);
-        publish_row(&ledger, &first, 1, 11);
+        publish_row(&ledger, &first, 10);
+        publish_row(&ledger, &first, 11);
         let second = Batch::new(1);
-        publish_row(&ledger, &second, 0, 20);
+        publish_row(&ledger, &second, 20);
         lock(&ledger).published = 3;
         settle_own(&ledger, &first, 2);
-        assert!(
-            lock(&ledger).rows.contains_key(&10),
-            "not done: still named"
-        );
+        assert!(owner_of(&ledger, 10).is_some(), "not done: still named");
+        assert_eq!(owner_of(&ledger, 11).map(|(_, index)| index), Some(1));
         finish_all(&ledger, 3);
         assert!(first.state().done);
-        assert!(!lock(&ledger).rows.contains_key(&10));
-        assert!(!lock(&ledger).rows.contains_key(&11));
+        assert!(owner_of(&ledger, 10).is_none());
+        assert!(owner_of(&ledger, 11).is_none());
         // Done at once (nothing else in flight): forgotten just the same.
         settle_own(&ledger, &second, 1);
         assert!(second.state().done);
-        assert!(lock(&ledger).rows.is_empty());
+        assert!(lock(&ledger).open.is_empty());
     }
 
     #[test]
     fn a_row_sent_again_stays_named_for_its_new_batch() {
         let ledger = Mutex::new(Ledger::default());
         let abandoned = Batch::new(1);
-        publish_row(&ledger, &abandoned, 0, 7);
+        publish_row(&ledger, &abandoned, 7);
         let again = Batch::new(1);
-        publish_row(&ledger, &again, 0, 7);
+        publish_row(&ledger, &again, 7);
         lock(&ledger).published = 2;
         settle_own(&ledger, &abandoned, 1);
         finish_all(&ledger, 2);
         assert!(abandoned.state().done);
-        let named = lock(&ledger).rows.get(&7).map(|(b, _)| b.clone());
+        let named = owner_of(&ledger, 7).map(|(b, _)| b);
         assert!(named.is_some_and(|b| Arc::ptr_eq(&b, &again)));
     }
 

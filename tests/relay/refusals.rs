@@ -7,7 +7,9 @@ use std::time::Duration;
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use serde_json::json;
 
-use crate::support::{Broker, Outbox, by_tenant, config, eventually, metric, start_relay};
+use crate::support::{
+    Broker, Outbox, RelayHandle, by_tenant, config, eventually, metric, start_relay,
+};
 
 /// A queue bound to `key` that holds `length` messages and then rejects
 /// publishes, which the broker nacks. Returns its name.
@@ -208,23 +210,51 @@ async fn returns_reach_their_own_rows_when_tenants_share_a_channel() {
     outbox.drop_schema().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_nacked_row_marks_only_the_confirmed_prefix() {
+/// A relay publishing `rows` rows of `tenant`, `max_in_flight` at a time, to
+/// no queue but one that takes `capacity` messages and nacks the rest; returns
+/// once the first nacked row (index `capacity`) has its attempt recorded.
+struct Nacking {
+    outbox: Outbox,
+    broker: Broker,
+    capped: String,
+    ids: Vec<i64>,
+    relay: RelayHandle,
+}
+
+async fn nacking(tenant: &str, rows: i64, capacity: i32, max_in_flight: usize) -> Nacking {
     let outbox = Outbox::create().await;
-    // No consumer queue for this tenant: only a queue that holds three
-    // messages and then rejects publishes, which the broker nacks.
     let broker = Broker::create(&[]).await;
-    let capped = capped_queue(&broker, "full.#", 3).await;
-    let ids = outbox.insert_many("full", 6).await;
-    let mut config = config(&outbox, &broker, &["full"]);
-    config.max_in_flight = 1;
+    let capped = capped_queue(&broker, &format!("{tenant}.#"), capacity).await;
+    let ids = outbox.insert_many(tenant, rows).await;
+    let mut config = config(&outbox, &broker, &[tenant]);
+    config.batch_size = 256;
+    config.max_in_flight = max_in_flight;
     config.max_backoff_ms = 300;
     let relay = start_relay(config).await;
-
     eventually("the nack is recorded", Duration::from_secs(20), || async {
-        outbox.row(ids[3]).await.attempts >= 1
+        outbox.row(ids[capacity as usize]).await.attempts >= 1
     })
     .await;
+    Nacking {
+        outbox,
+        broker,
+        capped,
+        ids,
+        relay,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nacked_row_marks_only_the_confirmed_prefix() {
+    // No consumer queue for this tenant: only a queue that holds three
+    // messages and then rejects publishes, which the broker nacks.
+    let Nacking {
+        outbox,
+        broker,
+        capped,
+        ids,
+        relay,
+    } = nacking("full", 6, 3, 1).await;
     for id in &ids[..3] {
         assert!(
             outbox.row(*id).await.published,
@@ -385,20 +415,13 @@ async fn a_nack_deep_in_a_batch_marks_exactly_the_confirmed_prefix() {
     // A batch of 256 is marked ahead in steps while it is confirmed; the
     // queue takes 150 and nacks the rest, so the steps marked ahead and the
     // refusal meet inside the batch.
-    let outbox = Outbox::create().await;
-    let broker = Broker::create(&[]).await;
-    let capped = capped_queue(&broker, "deep.#", 150).await;
-    let ids = outbox.insert_many("deep", 300).await;
-    let mut config = config(&outbox, &broker, &["deep"]);
-    config.batch_size = 256;
-    config.max_in_flight = 256;
-    config.max_backoff_ms = 300;
-    let relay = start_relay(config).await;
-
-    eventually("the nack is recorded", Duration::from_secs(20), || async {
-        outbox.row(ids[150]).await.attempts >= 1
-    })
-    .await;
+    let Nacking {
+        outbox,
+        broker,
+        capped,
+        ids,
+        relay,
+    } = nacking("deep", 300, 150, 256).await;
     relay.stop().await;
     assert_eq!(
         outbox.published_ids().await,
