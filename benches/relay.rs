@@ -46,7 +46,8 @@ use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
 };
 use outbox_relay::config::Config;
-use outbox_relay::store::{Settlement, Store};
+use outbox_relay::domain::BatchReport;
+use outbox_relay::store::Store;
 use serde_json::json;
 use tokio_postgres::NoTls;
 
@@ -146,7 +147,7 @@ impl Table {
     async fn create() -> Table {
         let schema = unique("b");
         let mut config = Config::with_tenants(["bench"]);
-        config.database_url = DATABASE_URL.into();
+        config.database_url = DATABASE_URL.parse().expect("database url");
         config.schema = schema.clone();
         let store = Store::new(&config).expect("store");
         outbox_relay::migrate::run(&store, &config)
@@ -694,7 +695,7 @@ async fn database_ceiling(rows: u64, size: usize, batch_size: u64) -> f64 {
     let names = tenants(1);
     table.fill(&names, rows, size).await;
     let mut config = Config::with_tenants(names.clone());
-    config.database_url = DATABASE_URL.into();
+    config.database_url = DATABASE_URL.parse().expect("database url");
     config.schema = table.schema.clone();
     config.batch_size = batch_size as usize;
     let store = Store::new(&config).expect("store");
@@ -709,12 +710,12 @@ async fn database_ceiling(rows: u64, size: usize, batch_size: u64) -> f64 {
         }
         done += ids.len() as u64;
         claim
-            .finish(Settlement {
-                published: ids,
-                ..Settlement::default()
+            .settle(&BatchReport {
+                confirmed_at: vec![std::time::SystemTime::now(); ids.len()],
+                refusal: None,
             })
             .await
-            .expect("finish");
+            .expect("settle");
     }
     let rate = done as f64 / started.elapsed().as_secs_f64();
     table.drop().await;

@@ -2,9 +2,17 @@
 //! command-line flags, later wins), merged with figment, then validated into a
 //! [`Config`] in one pass before anything is connected.
 //!
+//! One table below declares every key: its type, default, rule and flag. The
+//! struct, the flags, the environment names, the validation and the
+//! `check-config` rendering all come from it, so a new key is one line there
+//! plus its rule. The contract of each key is in `docs/design.md`.
+//!
 //! Every key remembers which layer gave it its value, so an error names the key,
 //! where it came from and what is allowed, e.g.
 //! `poll_ms = 0 (environment variable OUTBOX_POLL_MS): must be from 1 to 60000`.
+
+mod read;
+mod target;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -18,6 +26,10 @@ use figment::{Figment, Metadata, Profile, Provider};
 
 use crate::redact::redact_url;
 use crate::template::RoutingKey;
+use read::{
+    Fallback, Flag, Identifier, Parse, Render, Rule, TenantList, int, keys, parsed, short_text,
+};
+pub use target::{AmqpTarget, DATABASE_CONNECT_TIMEOUT, DatabaseTarget};
 
 /// The prefix of every configuration variable.
 pub const ENV_PREFIX: &str = "OUTBOX_";
@@ -25,71 +37,109 @@ pub const ENV_PREFIX: &str = "OUTBOX_";
 /// The variable that names the configuration file when `--config` is absent.
 pub const CONFIG_FILE_VAR: &str = "OUTBOX_CONFIG";
 
-/// Every configuration key, in the order `check-config` prints them.
-pub const KEYS: &[&str] = &[
-    "tenants",
-    "poll_ms",
-    "max_lag_ms",
-    "max_backoff_ms",
-    "batch_size",
-    "max_in_flight",
-    "concurrency",
-    "database_url",
-    "pool_size",
-    "schema",
-    "table",
-    "amqp_url",
-    "exchange",
-    "exchange_type",
-    "declare_exchange",
-    "routing_key",
-    "content_type",
-    "confirm_timeout_ms",
-    "max_payload_bytes",
-    "http_addr",
-    "shutdown_grace_ms",
-    "migrate",
-    "log_format",
-    "log",
-];
-
-/// Unprefixed variables honoured when the `OUTBOX_` one is not set.
-const ENV_FALLBACKS: &[(&str, &str)] = &[
-    ("database_url", "DATABASE_URL"),
-    ("amqp_url", "AMQP_URL"),
-    ("log", "RUST_LOG"),
-];
-
 const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
-/// The validated configuration of one relay process.
-#[derive(Debug, Clone)]
-pub struct Config {
-    pub tenants: Vec<String>,
-    pub poll_ms: u64,
-    pub max_lag_ms: u64,
-    pub max_backoff_ms: u64,
-    pub batch_size: usize,
-    pub max_in_flight: usize,
-    pub concurrency: usize,
-    pub database_url: String,
-    pub pool_size: usize,
-    pub schema: String,
-    pub table: String,
-    pub amqp_url: String,
-    pub exchange: String,
-    pub exchange_type: String,
-    pub declare_exchange: bool,
-    pub routing_key: RoutingKey,
-    pub content_type: String,
-    pub confirm_timeout_ms: u64,
-    pub max_payload_bytes: usize,
-    pub http_addr: SocketAddr,
-    pub shutdown_grace_ms: u64,
-    pub migrate: bool,
-    pub log_format: LogFormat,
-    pub log: String,
+/// A number that fits `u64`/`usize` by its rule's range.
+const NO_MAX: i64 = i64::MAX;
+
+keys! {
+    /// Tenants to relay, comma-separated
+    tenants: Vec<String> ["NAMES"] = Fallback::Required, TenantList;
+    /// Poll interval when idle, ms (1..=60000)
+    poll_ms: u64 ["MS"] = 200, int(1, 60_000);
+    /// Lag past which /healthz answers 503, ms
+    max_lag_ms: u64 ["MS"] = 60_000, int(1, NO_MAX);
+    /// Longest per-tenant back-off, ms
+    max_backoff_ms: u64 ["MS"] = 30_000, int(1, NO_MAX);
+    /// Rows per sweep (1..=10000)
+    batch_size: usize ["N"] = 256, int(1, 10_000);
+    /// Unconfirmed messages at most (1..=batch_size)
+    max_in_flight: usize ["N"] = batch_size, int(1, 10_000),
+        check |n: &usize| at_most(*n, "batch_size", batch_size);
+    /// Tenants swept at once (1..=1024)
+    concurrency: usize ["N"] = 4, int(1, 1024);
+    /// PostgreSQL URL or key=value string [env: OUTBOX_DATABASE_URL, DATABASE_URL]
+    database_url: DatabaseTarget ["URL"] = default_target::<DatabaseTarget>(DEFAULT_DATABASE_URL), parsed(),
+        env "DATABASE_URL";
+    /// Database connections (> concurrency)
+    pool_size: usize ["N"] = concurrency + 2, int(1, 10_000),
+        check |n: &usize| above_concurrency(*n, concurrency);
+    /// Schema of the outbox table
+    schema: String ["NAME"] = "public".to_string(), Identifier;
+    /// Name of the outbox table
+    table: String ["NAME"] = "outbox_message".to_string(), Identifier;
+    /// RabbitMQ URL [env: OUTBOX_AMQP_URL, AMQP_URL]
+    amqp_url: AmqpTarget ["URL"] = default_target::<AmqpTarget>(DEFAULT_AMQP_URL), parsed(), env "AMQP_URL";
+    /// Exchange to publish to
+    exchange: String ["NAME"] = "outbox".to_string(), short_text();
+    /// Exchange type: direct, fanout, topic, headers or x-…
+    exchange_type: String ["TYPE"] = "topic".to_string(), Parse(exchange_type);
+    /// Declare the exchange (durable) on connect
+    declare_exchange: bool ["BOOL"] = true, Flag;
+    /// Routing key template: {tenant}, {kind}, {subject}
+    routing_key: RoutingKey ["TEMPLATE"] = default_routing_key(), parsed();
+    /// content_type of every message
+    content_type: String ["TYPE"] = "application/json".to_string(), short_text();
+    /// A confirm not seen in this long is a refusal, ms
+    confirm_timeout_ms: u64 ["MS"] = 10_000, int(1, NO_MAX);
+    /// Larger payloads are refused as too_large
+    max_payload_bytes: usize ["BYTES"] = 16_777_216, int(1, i64::from(u32::MAX));
+    /// Address of the HTTP endpoints
+    http_addr: SocketAddr ["ADDR"] = SocketAddr::from(([0, 0, 0, 0], 9780)), Parse(socket_addr);
+    /// How long running sweeps may finish after SIGTERM, ms
+    shutdown_grace_ms: u64 ["MS"] = 20_000, int(0, NO_MAX);
+    /// Apply migrations at start
+    migrate: bool ["BOOL"] = false, Flag;
+    /// json, text or auto
+    log_format: LogFormat ["FORMAT"] = LogFormat::Auto, Parse(LogFormat::parse);
+    /// Tracing filter [env: OUTBOX_LOG, RUST_LOG]
+    log: String ["FILTER"] = "info".to_string(), Parse(tracing_filter), env "RUST_LOG";
+}
+
+fn default_target<T: std::str::FromStr<Err = String>>(url: &str) -> T {
+    url.parse()
+        .unwrap_or_else(|e| panic!("the built-in default URL is valid: {e}"))
+}
+
+fn default_routing_key() -> RoutingKey {
+    RoutingKey::parse("{tenant}.{kind}").expect("the built-in template is valid")
+}
+
+fn at_most(n: usize, other: &str, limit: usize) -> Result<(), String> {
+    if n > limit {
+        return Err(format!("must be from 1 to {other} ({limit})"));
+    }
+    Ok(())
+}
+
+fn above_concurrency(n: usize, concurrency: usize) -> Result<(), String> {
+    if n <= concurrency {
+        return Err(format!(
+            "must be greater than concurrency ({concurrency}): sweeps hold one connection each and the poll and /healthz need one more"
+        ));
+    }
+    Ok(())
+}
+
+fn exchange_type(kind: &str) -> Result<String, String> {
+    if matches!(kind, "direct" | "fanout" | "topic" | "headers") || kind.starts_with("x-") {
+        Ok(kind.to_string())
+    } else {
+        Err("must be direct, fanout, topic, headers or a plugin type starting with x-".into())
+    }
+}
+
+fn socket_addr(addr: &str) -> Result<SocketAddr, String> {
+    addr.parse()
+        .map_err(|_| "must be an address and port such as 0.0.0.0:9780".to_string())
+}
+
+fn tracing_filter(filter: &str) -> Result<String, String> {
+    tracing_subscriber::EnvFilter::builder()
+        .parse(filter)
+        .map(|_| filter.to_string())
+        .map_err(|e| format!("is not a tracing filter: {e}"))
 }
 
 impl Config {
@@ -142,6 +192,15 @@ impl LogFormat {
             LogFormat::Auto => "auto",
         }
     }
+
+    fn parse(text: &str) -> Result<LogFormat, String> {
+        match text {
+            "json" => Ok(LogFormat::Json),
+            "text" => Ok(LogFormat::Text),
+            "auto" => Ok(LogFormat::Auto),
+            _ => Err("must be json, text or auto".into()),
+        }
+    }
 }
 
 /// Where a key's effective value came from.
@@ -174,7 +233,7 @@ pub enum ConfigError {
         origin: Origin,
         reason: String,
     },
-    #[error("{key} is required: set it in the config file, as {var} or as --{flag}")]
+    #[error("{key} is required: set it in the config file, as {var} or as {flag}")]
     Missing {
         key: &'static str,
         var: String,
@@ -235,40 +294,8 @@ pub struct Loaded {
 impl Loaded {
     /// The effective configuration as TOML, secrets redacted, each line with its origin.
     pub fn render(&self) -> String {
-        let c = &self.config;
-        let quote = |s: &str| serde_json::to_string(s).unwrap_or_default();
         let mut out = String::new();
-        for key in KEYS {
-            let value = match *key {
-                "tenants" => {
-                    let list: Vec<String> = c.tenants.iter().map(|t| quote(t)).collect();
-                    format!("[{}]", list.join(", "))
-                }
-                "poll_ms" => c.poll_ms.to_string(),
-                "max_lag_ms" => c.max_lag_ms.to_string(),
-                "max_backoff_ms" => c.max_backoff_ms.to_string(),
-                "batch_size" => c.batch_size.to_string(),
-                "max_in_flight" => c.max_in_flight.to_string(),
-                "concurrency" => c.concurrency.to_string(),
-                "database_url" => quote(&redact_url(&c.database_url)),
-                "pool_size" => c.pool_size.to_string(),
-                "schema" => quote(&c.schema),
-                "table" => quote(&c.table),
-                "amqp_url" => quote(&redact_url(&c.amqp_url)),
-                "exchange" => quote(&c.exchange),
-                "exchange_type" => quote(&c.exchange_type),
-                "declare_exchange" => c.declare_exchange.to_string(),
-                "routing_key" => quote(c.routing_key.as_str()),
-                "content_type" => quote(&c.content_type),
-                "confirm_timeout_ms" => c.confirm_timeout_ms.to_string(),
-                "max_payload_bytes" => c.max_payload_bytes.to_string(),
-                "http_addr" => quote(&c.http_addr.to_string()),
-                "shutdown_grace_ms" => c.shutdown_grace_ms.to_string(),
-                "migrate" => c.migrate.to_string(),
-                "log_format" => quote(c.log_format.as_str()),
-                "log" => quote(&c.log),
-                other => unreachable!("key {other} has no rendering"),
-            };
+        for (key, value) in self.config.rendered() {
             let origin = self.origins.get(key).cloned().unwrap_or(Origin::Default);
             out.push_str(&format!("{key} = {value}  # {origin}\n"));
         }
@@ -353,16 +380,7 @@ impl Sources {
                 .map(|v| (var.clone(), v))
                 .or_else(|| fallback.and_then(|f| self.env_value(f).map(|v| (f.to_string(), v))));
             if let Some((name, raw)) = found {
-                let value = if *key == "tenants" {
-                    Value::from(
-                        raw.split(',')
-                            .map(|t| Value::from(t.trim().to_string()))
-                            .collect::<Vec<_>>(),
-                    )
-                } else {
-                    Value::from(raw.to_string())
-                };
-                env.insert((*key).into(), value);
+                env.insert((*key).into(), Value::from(raw.to_string()));
                 origins.insert(key, Origin::Env(name));
             }
         }
@@ -392,11 +410,10 @@ impl Sources {
             })
             .collect();
 
-        let config = Validator {
+        let config = Config::read(&Validator {
             figment: &figment,
             origins: &origins,
-        }
-        .validate()?;
+        })?;
         Ok(Loaded {
             config,
             origins,
@@ -424,293 +441,49 @@ struct Validator<'a> {
 }
 
 impl Validator<'_> {
-    fn origin(&self, key: &str) -> Origin {
-        self.origins.get(key).cloned().unwrap_or(Origin::Default)
-    }
-
-    fn invalid(
-        &self,
-        key: &'static str,
-        value: impl fmt::Display,
-        reason: impl Into<String>,
-    ) -> ConfigError {
-        let mut value = value.to_string();
-        if key.ends_with("_url") {
-            value = redact_url(&value);
-        }
+    fn invalid(&self, key: &'static str, value: String, reason: String) -> ConfigError {
+        // A value that failed to parse as a URL may still hold a password.
+        let value = if key.ends_with("_url") {
+            redact_url(&value)
+        } else {
+            value
+        };
         ConfigError::Invalid {
             key,
             value,
-            origin: self.origin(key),
-            reason: reason.into(),
+            origin: self.origins.get(key).cloned().unwrap_or(Origin::Default),
+            reason,
         }
     }
 
-    fn raw(&self, key: &str) -> Option<Value> {
-        self.figment.find_value(key).ok()
-    }
-
-    fn string(&self, key: &'static str, default: &str) -> Result<String, ConfigError> {
-        match self.raw(key) {
-            None => Ok(default.to_string()),
-            Some(Value::String(_, s)) => Ok(s),
-            Some(Value::Num(_, n)) => Ok(num_text(n)),
-            Some(Value::Bool(_, b)) => Ok(b.to_string()),
-            Some(other) => Err(self.invalid(key, value_text(&other), "must be a string")),
-        }
-    }
-
-    fn int(&self, key: &'static str, default: i64, min: i64, max: i64) -> Result<i64, ConfigError> {
-        let allowed = if max == i64::MAX {
-            format!("must be a whole number of at least {min}")
-        } else {
-            format!("must be a whole number from {min} to {max}")
-        };
-        let value = match self.raw(key) {
-            None => return Ok(default),
-            Some(Value::Num(_, n)) => n.to_i128().and_then(|n| i64::try_from(n).ok()),
-            Some(Value::String(_, s)) => s.trim().parse::<i64>().ok(),
-            Some(_) => None,
-        };
-        let raw = match self.raw(key) {
-            Some(Value::String(_, s)) if s.trim().parse::<i128>().is_ok() => s.trim().to_string(),
-            Some(v) => value_text(&v),
-            None => String::new(),
-        };
-        match value {
-            Some(n) if (min..=max).contains(&n) => Ok(n),
-            _ => Err(self.invalid(key, raw, allowed)),
-        }
-    }
-
-    fn optional_int(
+    /// The key's value by its rule, or its fallback when no layer sets it.
+    fn read<T>(
         &self,
         key: &'static str,
-        min: i64,
-        max: i64,
-    ) -> Result<Option<i64>, ConfigError> {
-        match self.raw(key) {
-            None => Ok(None),
-            Some(_) => self.int(key, 0, min, max).map(Some),
-        }
-    }
-
-    fn boolean(&self, key: &'static str, default: bool) -> Result<bool, ConfigError> {
-        match self.raw(key) {
-            None => Ok(default),
-            Some(Value::Bool(_, b)) => Ok(b),
-            Some(Value::String(_, s)) => match s.trim().to_ascii_lowercase().as_str() {
-                "true" | "1" => Ok(true),
-                "false" | "0" => Ok(false),
-                _ => Err(self.invalid(key, s, "must be true or false")),
-            },
-            Some(other) => Err(self.invalid(key, value_text(&other), "must be true or false")),
-        }
-    }
-
-    fn tenants(&self) -> Result<Vec<String>, ConfigError> {
-        let key = "tenants";
-        let list = match self.raw(key) {
-            None => {
-                return Err(ConfigError::Missing {
-                    key,
-                    var: env_var(key),
-                    flag: flag_name(key),
-                });
-            }
-            Some(Value::Array(_, items)) => items,
-            Some(Value::String(_, s)) => s
-                .split(',')
-                .map(|t| Value::from(t.trim().to_string()))
-                .collect(),
-            Some(other) => {
-                return Err(self.invalid(
-                    key,
-                    value_text(&other),
-                    "must be a list of tenant names",
-                ));
-            }
-        };
-        let shown = || {
-            let names: Vec<String> = list.iter().map(value_text).collect();
-            format!("[{}]", names.join(", "))
-        };
-        let mut tenants: Vec<String> = Vec::with_capacity(list.len());
-        for item in &list {
-            let Value::String(_, name) = item else {
-                return Err(self.invalid(key, shown(), "every tenant must be a string"));
-            };
-            if name.trim().is_empty() {
-                return Err(self.invalid(key, shown(), "tenant names must not be empty"));
-            }
-            if tenants.contains(name) {
-                return Err(self.invalid(
-                    key,
-                    shown(),
-                    format!("tenant \"{name}\" is listed twice"),
-                ));
-            }
-            tenants.push(name.clone());
-        }
-        if tenants.is_empty() {
-            return Err(self.invalid(key, shown(), "at least one tenant is required"));
-        }
-        Ok(tenants)
-    }
-
-    fn identifier(&self, key: &'static str, default: &str) -> Result<String, ConfigError> {
-        let name = self.string(key, default)?;
-        if name.is_empty() || name.len() > 63 || name.contains('\0') {
-            return Err(self.invalid(
+        fallback: Fallback<T>,
+        rule: &impl Rule<T>,
+    ) -> Result<T, ConfigError> {
+        match (self.figment.find_value(key).ok(), fallback) {
+            (Some(raw), _) => rule
+                .read(&raw)
+                .map_err(|rejected| self.invalid(key, rejected.shown, rejected.reason)),
+            (None, Fallback::Value(value)) => Ok(value),
+            (None, Fallback::Required) => Err(ConfigError::Missing {
                 key,
-                format!("\"{name}\""),
-                "must be a PostgreSQL identifier of 1 to 63 bytes",
-            ));
+                var: env_var(key),
+                flag: flag_name(key),
+            }),
         }
-        Ok(name)
     }
 
-    fn validate(&self) -> Result<Config, ConfigError> {
-        let tenants = self.tenants()?;
-        let poll_ms = self.int("poll_ms", 200, 1, 60_000)?;
-        let max_lag_ms = self.int("max_lag_ms", 60_000, 1, i64::MAX)?;
-        let max_backoff_ms = self.int("max_backoff_ms", 30_000, 1, i64::MAX)?;
-        let batch_size = self.int("batch_size", 256, 1, 10_000)?;
-        let max_in_flight = self.int("max_in_flight", batch_size, 1, 10_000)?;
-        if max_in_flight > batch_size {
-            return Err(self.invalid(
-                "max_in_flight",
-                max_in_flight,
-                format!("must be from 1 to batch_size ({batch_size})"),
-            ));
-        }
-        let concurrency = self.int("concurrency", 4, 1, 1024)?;
-        let pool_size = match self.optional_int("pool_size", 1, 10_000)? {
-            Some(n) if n <= concurrency => {
-                return Err(self.invalid(
-                    "pool_size",
-                    n,
-                    format!(
-                        "must be greater than concurrency ({concurrency}): sweeps hold one connection each and the poll and /healthz need one more"
-                    ),
-                ));
-            }
-            Some(n) => n,
-            None => concurrency + 2,
-        };
-
-        let database_url = self.string("database_url", DEFAULT_DATABASE_URL)?;
-        if let Err(reason) = crate::store::parse_database_url(&database_url) {
-            return Err(self.invalid("database_url", &database_url, reason));
-        }
-        let amqp_url = self.string("amqp_url", DEFAULT_AMQP_URL)?;
-        if let Err(reason) = crate::publisher::parse_amqp_url(&amqp_url) {
-            return Err(self.invalid("amqp_url", &amqp_url, reason));
-        }
-
-        let schema = self.identifier("schema", "public")?;
-        let table = self.identifier("table", "outbox_message")?;
-
-        let exchange = self.string("exchange", "outbox")?;
-        if exchange.len() > 255 {
-            return Err(self.invalid("exchange", &exchange, "must be at most 255 bytes"));
-        }
-        let exchange_type = self.string("exchange_type", "topic")?;
-        if !matches!(
-            exchange_type.as_str(),
-            "direct" | "fanout" | "topic" | "headers"
-        ) && !exchange_type.starts_with("x-")
-        {
-            return Err(self.invalid(
-                "exchange_type",
-                &exchange_type,
-                "must be direct, fanout, topic, headers or a plugin type starting with x-",
-            ));
-        }
-        let declare_exchange = self.boolean("declare_exchange", true)?;
-        let template = self.string("routing_key", "{tenant}.{kind}")?;
-        let routing_key = RoutingKey::parse(&template)
-            .map_err(|e| self.invalid("routing_key", &template, e.to_string()))?;
-        let content_type = self.string("content_type", "application/json")?;
-        if content_type.len() > 255 {
-            return Err(self.invalid("content_type", &content_type, "must be at most 255 bytes"));
-        }
-        let confirm_timeout_ms = self.int("confirm_timeout_ms", 10_000, 1, i64::MAX)?;
-        let max_payload_bytes =
-            self.int("max_payload_bytes", 16_777_216, 1, i64::from(u32::MAX))?;
-        let addr = self.string("http_addr", "0.0.0.0:9780")?;
-        let http_addr = addr.parse::<SocketAddr>().map_err(|_| {
-            self.invalid(
-                "http_addr",
-                &addr,
-                "must be an address and port such as 0.0.0.0:9780",
-            )
-        })?;
-        let shutdown_grace_ms = self.int("shutdown_grace_ms", 20_000, 0, i64::MAX)?;
-        let migrate = self.boolean("migrate", false)?;
-        let format = self.string("log_format", "auto")?;
-        let log_format = match format.as_str() {
-            "json" => LogFormat::Json,
-            "text" => LogFormat::Text,
-            "auto" => LogFormat::Auto,
-            _ => return Err(self.invalid("log_format", &format, "must be json, text or auto")),
-        };
-        let log = self.string("log", "info")?;
-        if let Err(e) = tracing_subscriber::EnvFilter::builder().parse(&log) {
-            return Err(self.invalid("log", &log, format!("is not a tracing filter: {e}")));
-        }
-
-        // Every number was range-checked above, so the conversions cannot fail.
-        let size = |n: i64| usize::try_from(n).unwrap_or(usize::MAX);
-        let ms = |n: i64| u64::try_from(n).unwrap_or(u64::MAX);
-        Ok(Config {
-            tenants,
-            poll_ms: ms(poll_ms),
-            max_lag_ms: ms(max_lag_ms),
-            max_backoff_ms: ms(max_backoff_ms),
-            batch_size: size(batch_size),
-            max_in_flight: size(max_in_flight),
-            concurrency: size(concurrency),
-            database_url,
-            pool_size: size(pool_size),
-            schema,
-            table,
-            amqp_url,
-            exchange,
-            exchange_type,
-            declare_exchange,
-            routing_key,
-            content_type,
-            confirm_timeout_ms: ms(confirm_timeout_ms),
-            max_payload_bytes: size(max_payload_bytes),
-            http_addr,
-            shutdown_grace_ms: ms(shutdown_grace_ms),
-            migrate,
-            log_format,
-            log,
-        })
-    }
-}
-
-fn num_text(n: figment::value::Num) -> String {
-    match n.to_i128() {
-        Some(i) => i.to_string(),
-        None => n.to_f64().map(|f| f.to_string()).unwrap_or_default(),
-    }
-}
-
-fn value_text(value: &Value) -> String {
-    match value {
-        Value::String(_, s) => format!("\"{s}\""),
-        Value::Num(_, n) => num_text(*n),
-        Value::Bool(_, b) => b.to_string(),
-        Value::Array(_, items) => {
-            let items: Vec<String> = items.iter().map(value_text).collect();
-            format!("[{}]", items.join(", "))
-        }
-        Value::Dict(..) => "a table".to_string(),
-        Value::Char(_, c) => format!("'{c}'"),
-        Value::Empty(..) => "nothing".to_string(),
+    /// A rule between this key and the keys above it.
+    fn check<T: Render>(
+        &self,
+        key: &'static str,
+        value: &T,
+        check: impl Fn(&T) -> Result<(), String>,
+    ) -> Result<(), ConfigError> {
+        check(value).map_err(|reason| self.invalid(key, value.render(), reason))
     }
 }
 
@@ -795,8 +568,21 @@ mod tests {
         assert_eq!(c.max_in_flight, 256);
         assert_eq!(c.concurrency, 4);
         assert_eq!(c.pool_size, 6);
-        assert_eq!(c.database_url, DEFAULT_DATABASE_URL);
-        assert_eq!(c.amqp_url, DEFAULT_AMQP_URL);
+        assert_eq!(c.database_url.to_string(), DEFAULT_DATABASE_URL);
+        let amqp = &c.amqp_url.uri;
+        assert_eq!(
+            (amqp.authority.host.as_str(), amqp.authority.port),
+            ("127.0.0.1", 5672)
+        );
+        assert_eq!(
+            (
+                amqp.authority.userinfo.username.as_str(),
+                amqp.authority.userinfo.password.as_str(),
+                amqp.vhost.as_str()
+            ),
+            ("guest", "guest", "/")
+        );
+        assert_eq!(c.amqp_url.to_string(), redact_url(DEFAULT_AMQP_URL));
         assert_eq!(
             (c.schema.as_str(), c.table.as_str()),
             ("public", "outbox_message")
@@ -855,7 +641,10 @@ mod tests {
             &[],
         )
         .unwrap();
-        assert_eq!(only_fallback.config.database_url, "postgres://u@db/x");
+        assert_eq!(
+            only_fallback.config.database_url.to_string(),
+            "postgres://u@db/x"
+        );
         assert_eq!(only_fallback.config.log, "debug");
         assert_eq!(
             only_fallback.origins["database_url"],
@@ -871,7 +660,7 @@ mod tests {
             &[],
         )
         .unwrap();
-        assert_eq!(both.config.amqp_url, "amqp://b@h2/%2f");
+        assert_eq!(both.config.amqp_url.to_string(), "amqp://b@h2/%2f");
     }
 
     #[test]

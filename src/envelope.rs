@@ -1,13 +1,12 @@
 //! The message on the wire: a row turned into routing key, properties and body,
-//! exactly as DESIGN.md's table says. Pure, so every field is unit-tested; a
+//! exactly as the table in `docs/design.md` says. Pure, so every field is unit-tested; a
 //! row that cannot be expressed in AMQP is a [`Refusal`], never a panic.
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use time::format_description::well_known::Rfc3339;
 
-use crate::metrics::FailureReason;
-use crate::store::OutboxRow;
+use crate::domain::{FailureReason, OutboxRow, Refusal};
 use crate::template::RoutingKey;
 
 /// The relay's `app_id`.
@@ -21,28 +20,6 @@ pub const RESERVED_HEADERS: [&str; 5] = [
     "outbox-occurred-at",
     "outbox-tombstone",
 ];
-
-/// Why a row cannot be published. The detail is safe to log and to store in
-/// `last_error`: it never contains the payload.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Refusal {
-    pub reason: FailureReason,
-    pub detail: String,
-}
-
-impl Refusal {
-    pub fn new(reason: FailureReason, detail: impl Into<String>) -> Refusal {
-        Refusal {
-            reason,
-            detail: detail.into(),
-        }
-    }
-
-    /// The text stored in `last_error`: `<reason>: <detail>`.
-    pub fn last_error(&self) -> String {
-        format!("{}: {}", self.reason.as_str(), self.detail)
-    }
-}
 
 /// What is fixed for every message of a relay.
 #[derive(Debug, Clone)]

@@ -52,12 +52,6 @@ async fn healthz(State(relay): State<Arc<Relay>>) -> Response {
             let lagging = lags
                 .iter()
                 .any(|t| u64::try_from(t.lag_ms).unwrap_or(0) > max_lag_ms);
-            for t in &lags {
-                relay
-                    .metrics
-                    .lag_gauge(&t.tenant)
-                    .set(t.lag_ms as f64 / 1000.0);
-            }
             let body = Health {
                 status: if lagging { "lagging" } else { "ok" },
                 max_lag_ms,
@@ -109,7 +103,7 @@ struct Readiness {
 }
 
 async fn readyz(State(relay): State<Arc<Relay>>) -> Response {
-    let database = relay.metrics.database_up.get() == 1;
+    let database = relay.metrics.database_is_up();
     let broker = relay.publisher.is_ready();
     let ready = database && broker;
     let code = if ready {

@@ -1,25 +1,33 @@
 //! outbox-relay: publishes each tenant's committed outbox rows from PostgreSQL
-//! to RabbitMQ, in order, at least once.
+//! to RabbitMQ, in order, at least once. Its contract (table, sweep, message,
+//! configuration, endpoints, metrics) is `docs/design.md`.
 //!
-//! How data flows:
+//! How data flows, bottom up:
 //!
-//! 1. [`config`] merges defaults, a TOML file, `OUTBOX_*` variables and flags,
-//!    and refuses a bad configuration before anything is connected.
-//! 2. [`relay`] runs the scheduler: one poll per interval asks [`store`] which
-//!    tenants have pending rows; each due tenant gets a sweep, at most
-//!    `concurrency` at once, with its own [`backoff`] after a failure.
-//! 3. A sweep ([`relay::Relay::sweep`]) claims the tenant in [`store`] (an
-//!    advisory lock held by one transaction), reads its oldest pending rows,
-//!    has [`publisher`] send them as [`envelope`] messages with confirms,
-//!    marking the confirmed prefix as it grows (inside the transaction), then
-//!    records a refusal and commits.
-//! 4. [`http`] serves lag, liveness, readiness and [`metrics`]; [`telemetry`]
+//! 1. [`domain`] holds the words every layer shares: the outbox row, the
+//!    refusal and its reasons, a sweep's outcome. It imports nothing else.
+//! 2. [`config`] merges defaults, a TOML file, `OUTBOX_*` variables and flags,
+//!    parses the URLs into connection targets, and refuses a bad configuration
+//!    before anything is connected.
+//! 3. [`store`] (PostgreSQL: claim, read, mark, lag) and [`publisher`]
+//!    (RabbitMQ: connection, confirms, the [`envelope`] of each row) take
+//!    their parts of the configuration and know nothing of each other.
+//! 4. [`relay`] sweeps one tenant: it claims the tenant in the store (an
+//!    advisory lock held by one transaction), has the publisher send its
+//!    oldest pending rows, marks the confirmed prefix ahead as it grows, and
+//!    settles the claim (marks, a refusal, commit).
+//! 5. [`scheduler`] decides when each tenant is swept: one poll per interval
+//!    asks the store which tenants have pending rows; each due tenant gets a
+//!    sweep, at most `concurrency` at once, with its own [`backoff`] after a
+//!    failure.
+//! 6. [`http`] serves lag, liveness, readiness and [`metrics`]; [`telemetry`]
 //!    writes the logs; [`shutdown`] drains sweeps on SIGTERM; [`migrate`]
 //!    creates the table; [`status`] is the operator's view from the database.
 #![forbid(unsafe_code)]
 
 pub mod backoff;
 pub mod config;
+pub mod domain;
 pub mod envelope;
 pub mod http;
 pub mod metrics;
@@ -27,6 +35,7 @@ pub mod migrate;
 pub mod publisher;
 pub mod redact;
 pub mod relay;
+pub mod scheduler;
 pub mod shutdown;
 pub mod status;
 pub mod store;
@@ -38,14 +47,14 @@ use std::time::Duration;
 
 use crate::backoff::Backoff;
 use crate::config::Config;
-use crate::relay::Relay;
+use crate::relay::{Relay, SetupError};
 use crate::shutdown::Shutdown;
 
 /// Why the relay could not run.
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {
-    #[error("{0}")]
-    Setup(String),
+    #[error(transparent)]
+    Setup(#[from] SetupError),
     #[error("cannot listen on {addr}: {source}")]
     Bind {
         addr: std::net::SocketAddr,
@@ -58,7 +67,7 @@ pub enum RunError {
 /// the broker connection and returns.
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
     let config = Arc::new(config);
-    let relay = Arc::new(Relay::from_config(config.clone()).map_err(RunError::Setup)?);
+    let relay = Arc::new(Relay::from_config(config.clone())?);
     let listener = tokio::net::TcpListener::bind(config.http_addr)
         .await
         .map_err(|source| RunError::Bind {
@@ -97,14 +106,15 @@ pub async fn serve(
             }
         }
     });
-    let broker = tokio::spawn(relay.publisher.clone().supervise(rest_stop.fired()));
+    let broker = tokio::spawn(relay.publisher.clone().supervise(rest_stop.clone().fired()));
+    let connected_gauge = tokio::spawn(mirror_connected(relay.clone()));
     let scheduler = tokio::spawn({
         let relay = relay.clone();
         async move {
             if relay.config.migrate && !migrate_until_done(&relay, scheduler_stop.clone()).await {
                 return;
             }
-            relay::schedule(relay, scheduler_stop).await;
+            scheduler::run(relay, scheduler_stop).await;
         }
     });
 
@@ -114,6 +124,8 @@ pub async fn serve(
     let _ = scheduler.await;
     stop_rest.fire();
     let _ = broker.await;
+    connected_gauge.abort();
+    relay.metrics.set_amqp_connected(false);
     let _ = http.await;
     tracing::info!("outbox-relay stopped");
 }
@@ -129,7 +141,7 @@ async fn migrate_until_done(relay: &Relay, stop: Shutdown) -> bool {
             Ok(()) => return true,
             Err(error) => {
                 tracing::warn!(%error, "cannot apply migrations; retrying");
-                relay.metrics.database_up.set(0);
+                relay.metrics.set_database_up(false);
             }
         }
         let delay = backoff.delay(failures);
@@ -137,6 +149,19 @@ async fn migrate_until_done(relay: &Relay, stop: Shutdown) -> bool {
         tokio::select! {
             () = tokio::time::sleep(delay) => {}
             () = stop.clone().fired() => return false,
+        }
+    }
+}
+
+/// Keeps `outbox_amqp_connected` in step with the broker connection.
+async fn mirror_connected(relay: Arc<Relay>) {
+    let mut connected = relay.publisher.watch_connected();
+    loop {
+        relay
+            .metrics
+            .set_amqp_connected(*connected.borrow_and_update());
+        if connected.changed().await.is_err() {
+            return;
         }
     }
 }

@@ -6,8 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use figment::value::{Dict, Value};
-use outbox_relay::config::{CONFIG_FILE_VAR, Config, Loaded, Sources};
+use outbox_relay::config::{CONFIG_FILE_VAR, Config, Flags as KeyFlags, Loaded, Sources};
 use outbox_relay::{migrate, shutdown, store, telemetry};
 
 /// Exit code for a configuration that cannot be used.
@@ -23,7 +22,7 @@ struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
     #[command(flatten)]
-    flags: Flags,
+    flags: Options,
 }
 
 #[derive(Debug, Subcommand)]
@@ -43,123 +42,14 @@ enum Command {
     },
 }
 
-/// One flag per configuration key; each overrides file and environment.
+/// The configuration file, and one flag per configuration key.
 #[derive(Debug, Args)]
-struct Flags {
+struct Options {
     /// TOML configuration file [env: OUTBOX_CONFIG]
     #[arg(long, global = true, value_name = "PATH")]
     config: Option<PathBuf>,
-    /// Tenants to relay, comma-separated
-    #[arg(long, global = true, value_delimiter = ',', value_name = "NAMES")]
-    tenants: Option<Vec<String>>,
-    /// Poll interval when idle, ms (1..=60000)
-    #[arg(long, global = true, value_name = "MS")]
-    poll_ms: Option<i64>,
-    /// Lag past which /healthz answers 503, ms
-    #[arg(long, global = true, value_name = "MS")]
-    max_lag_ms: Option<i64>,
-    /// Longest per-tenant back-off, ms
-    #[arg(long, global = true, value_name = "MS")]
-    max_backoff_ms: Option<i64>,
-    /// Rows per sweep (1..=10000)
-    #[arg(long, global = true, value_name = "N")]
-    batch_size: Option<i64>,
-    /// Unconfirmed messages at most (1..=batch_size)
-    #[arg(long, global = true, value_name = "N")]
-    max_in_flight: Option<i64>,
-    /// Tenants swept at once (1..=1024)
-    #[arg(long, global = true, value_name = "N")]
-    concurrency: Option<i64>,
-    /// PostgreSQL URL [env: OUTBOX_DATABASE_URL, DATABASE_URL]
-    #[arg(long, global = true, value_name = "URL")]
-    database_url: Option<String>,
-    /// Database connections (> concurrency)
-    #[arg(long, global = true, value_name = "N")]
-    pool_size: Option<i64>,
-    /// Schema of the outbox table
-    #[arg(long, global = true)]
-    schema: Option<String>,
-    /// Name of the outbox table
-    #[arg(long, global = true)]
-    table: Option<String>,
-    /// RabbitMQ URL [env: OUTBOX_AMQP_URL, AMQP_URL]
-    #[arg(long, global = true, value_name = "URL")]
-    amqp_url: Option<String>,
-    /// Exchange to publish to
-    #[arg(long, global = true)]
-    exchange: Option<String>,
-    /// Exchange type: direct, fanout, topic, headers or x-…
-    #[arg(long, global = true, value_name = "TYPE")]
-    exchange_type: Option<String>,
-    /// Declare the exchange (durable) on connect
-    #[arg(long, global = true, value_name = "BOOL")]
-    declare_exchange: Option<bool>,
-    /// Routing key template: {tenant}, {kind}, {subject}
-    #[arg(long, global = true, value_name = "TEMPLATE")]
-    routing_key: Option<String>,
-    /// content_type of every message
-    #[arg(long, global = true)]
-    content_type: Option<String>,
-    /// A confirm not seen in this long is a refusal, ms
-    #[arg(long, global = true, value_name = "MS")]
-    confirm_timeout_ms: Option<i64>,
-    /// Larger payloads are refused as too_large
-    #[arg(long, global = true, value_name = "BYTES")]
-    max_payload_bytes: Option<i64>,
-    /// Address of the HTTP endpoints
-    #[arg(long, global = true, value_name = "ADDR")]
-    http_addr: Option<String>,
-    /// How long running sweeps may finish after SIGTERM, ms
-    #[arg(long, global = true, value_name = "MS")]
-    shutdown_grace_ms: Option<i64>,
-    /// Apply migrations at start
-    #[arg(long, global = true, value_name = "BOOL")]
-    migrate: Option<bool>,
-    /// json, text or auto
-    #[arg(long, global = true, value_name = "FORMAT")]
-    log_format: Option<String>,
-    /// Tracing filter [env: OUTBOX_LOG, RUST_LOG]
-    #[arg(long, global = true, value_name = "FILTER")]
-    log: Option<String>,
-}
-
-impl Flags {
-    /// The flags that were given, as a figment layer.
-    fn layer(&self) -> Dict {
-        let mut dict = Dict::new();
-        let mut put = |key: &str, value: Option<Value>| {
-            if let Some(value) = value {
-                dict.insert(key.into(), value);
-            }
-        };
-        let text = |v: &Option<String>| v.clone().map(Value::from);
-        let int = |v: &Option<i64>| v.map(Value::from);
-        put("tenants", self.tenants.clone().map(Value::from));
-        put("poll_ms", int(&self.poll_ms));
-        put("max_lag_ms", int(&self.max_lag_ms));
-        put("max_backoff_ms", int(&self.max_backoff_ms));
-        put("batch_size", int(&self.batch_size));
-        put("max_in_flight", int(&self.max_in_flight));
-        put("concurrency", int(&self.concurrency));
-        put("database_url", text(&self.database_url));
-        put("pool_size", int(&self.pool_size));
-        put("schema", text(&self.schema));
-        put("table", text(&self.table));
-        put("amqp_url", text(&self.amqp_url));
-        put("exchange", text(&self.exchange));
-        put("exchange_type", text(&self.exchange_type));
-        put("declare_exchange", self.declare_exchange.map(Value::from));
-        put("routing_key", text(&self.routing_key));
-        put("content_type", text(&self.content_type));
-        put("confirm_timeout_ms", int(&self.confirm_timeout_ms));
-        put("max_payload_bytes", int(&self.max_payload_bytes));
-        put("http_addr", text(&self.http_addr));
-        put("shutdown_grace_ms", int(&self.shutdown_grace_ms));
-        put("migrate", self.migrate.map(Value::from));
-        put("log_format", text(&self.log_format));
-        put("log", text(&self.log));
-        dict
-    }
+    #[command(flatten)]
+    keys: KeyFlags,
 }
 
 fn main() -> ExitCode {
@@ -169,7 +59,7 @@ fn main() -> ExitCode {
         .config
         .clone()
         .or_else(|| std::env::var_os(CONFIG_FILE_VAR).map(PathBuf::from));
-    let loaded = match Sources::from_process(file, cli.flags.layer()).load() {
+    let loaded = match Sources::from_process(file, cli.flags.keys.layer()).load() {
         Ok(loaded) => loaded,
         Err(error) => {
             eprintln!("outbox-relay: configuration error: {error}");
@@ -228,7 +118,7 @@ fn warn_unknown_env(loaded: &Loaded) {
 
 async fn migrate_once(config: Config) -> anyhow::Result<()> {
     use anyhow::Context;
-    let store = store::Store::new(&config).map_err(anyhow::Error::msg)?;
+    let store = store::Store::new(&config)?;
     migrate::run(&store, &config)
         .await
         .context("cannot apply the migrations")?;
@@ -239,7 +129,7 @@ async fn migrate_once(config: Config) -> anyhow::Result<()> {
 /// not (or the database cannot be asked).
 async fn status(config: Config, json: bool) -> ExitCode {
     let result = async {
-        let store = store::Store::new(&config).map_err(anyhow::Error::msg)?;
+        let store = store::Store::new(&config)?;
         let tenants = store.tenant_status(&config.tenants).await?;
         Ok::<_, anyhow::Error>(outbox_relay::status::Report::new(
             config.max_lag_ms,
@@ -264,7 +154,7 @@ async fn status(config: Config, json: bool) -> ExitCode {
             }
         }
         Err(error) => {
-            eprintln!("outbox-relay: cannot read the outbox: {error:#}");
+            eprintln!("outbox-relay: cannot read the outbox: {}", causes(&error));
             ExitCode::from(EXIT_FATAL)
         }
     }
@@ -274,9 +164,31 @@ fn report_exit(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            tracing::error!(error = format!("{error:#}"), "outbox-relay failed");
-            eprintln!("outbox-relay: {error:#}");
+            let error = causes(&error);
+            tracing::error!(%error, "outbox-relay failed");
+            eprintln!("outbox-relay: {error}");
             ExitCode::from(EXIT_FATAL)
         }
     }
+}
+
+/// An error with its causes, down to the first of the relay's own errors:
+/// those already say what caused them (the server's message and SQLSTATE,
+/// the broker's reply), so the chain below them would only repeat it.
+fn causes(error: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in error.chain() {
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&cause.to_string());
+        if cause.is::<store::StoreError>()
+            || cause.is::<outbox_relay::RunError>()
+            || cause.is::<outbox_relay::relay::SetupError>()
+            || cause.is::<outbox_relay::publisher::PublishError>()
+        {
+            break;
+        }
+    }
+    text
 }

@@ -1,86 +1,31 @@
-//! The Prometheus metrics of DESIGN.md, on a registry of the relay's own.
+//! The Prometheus metrics of `docs/design.md`, on a registry of the relay's own.
 //! Labels are bounded: tenants come from configuration, reasons and outcomes
 //! are fixed sets. Every tenant's series exist from the start, at zero, so
 //! alerts and dashboards see a flat line rather than nothing.
 
+use std::time::Duration;
+
 use prometheus::{
-    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge,
+    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-/// Why a publish was refused or failed; the `reason` label.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FailureReason {
-    Nack,
-    Unroutable,
-    Timeout,
-    Connection,
-    TooLarge,
-    Other,
-}
-
-impl FailureReason {
-    pub const ALL: [FailureReason; 6] = [
-        FailureReason::Nack,
-        FailureReason::Unroutable,
-        FailureReason::Timeout,
-        FailureReason::Connection,
-        FailureReason::TooLarge,
-        FailureReason::Other,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FailureReason::Nack => "nack",
-            FailureReason::Unroutable => "unroutable",
-            FailureReason::Timeout => "timeout",
-            FailureReason::Connection => "connection",
-            FailureReason::TooLarge => "too_large",
-            FailureReason::Other => "other",
-        }
-    }
-}
-
-/// How a sweep ended; the `outcome` label.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum OutcomeLabel {
-    Published,
-    Idle,
-    Skipped,
-    Failed,
-}
-
-impl OutcomeLabel {
-    pub const ALL: [OutcomeLabel; 4] = [
-        OutcomeLabel::Published,
-        OutcomeLabel::Idle,
-        OutcomeLabel::Skipped,
-        OutcomeLabel::Failed,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            OutcomeLabel::Published => "published",
-            OutcomeLabel::Idle => "idle",
-            OutcomeLabel::Skipped => "skipped",
-            OutcomeLabel::Failed => "failed",
-        }
-    }
-}
+use crate::domain::{FailureReason, Outcome};
 
 /// The relay's metrics.
 #[derive(Clone)]
 pub struct Metrics {
     registry: Registry,
-    pub published: IntCounterVec,
-    pub publish_failures: IntCounterVec,
-    pub sweeps: IntCounterVec,
-    pub sweep_duration: HistogramVec,
-    pub delivery_delay: Histogram,
-    pub lag: GaugeVec,
-    pub tenant_backoff: GaugeVec,
-    pub amqp_connected: IntGauge,
-    pub database_up: IntGauge,
+    published: IntCounterVec,
+    publish_failures: IntCounterVec,
+    sweeps: IntCounterVec,
+    sweep_duration: HistogramVec,
+    delivery_delay: Histogram,
+    /// Written by the scheduler's poll alone.
+    lag: GaugeVec,
+    tenant_backoff: GaugeVec,
+    amqp_connected: IntGauge,
+    database_up: IntGauge,
 }
 
 impl Metrics {
@@ -187,13 +132,13 @@ impl Metrics {
             for reason in FailureReason::ALL {
                 publish_failures.with_label_values(&[tenant, reason.as_str()]);
             }
-            for outcome in OutcomeLabel::ALL {
+            for outcome in Outcome::ALL {
                 sweeps.with_label_values(&[tenant, outcome.as_str()]);
             }
             lag.with_label_values(&[tenant]).set(0.0);
             tenant_backoff.with_label_values(&[tenant]).set(0.0);
         }
-        for outcome in OutcomeLabel::ALL {
+        for outcome in Outcome::ALL {
             sweep_duration.with_label_values(&[outcome.as_str()]);
         }
 
@@ -220,14 +165,59 @@ impl Metrics {
         String::from_utf8(buffer).expect("the text format is UTF-8")
     }
 
+    /// A sweep of `tenant` ended.
+    pub fn sweep_finished(&self, tenant: &str, outcome: Outcome, took: Duration) {
+        self.sweeps
+            .with_label_values(&[tenant, outcome.as_str()])
+            .inc();
+        self.sweep_duration
+            .with_label_values(&[outcome.as_str()])
+            .observe(took.as_secs_f64());
+    }
+
+    /// `rows` of `tenant` were confirmed and marked published.
+    pub fn count_published(&self, tenant: &str, rows: usize) {
+        self.published
+            .with_label_values(&[tenant])
+            .inc_by(rows as u64);
+    }
+
+    /// One row's broker confirm time minus its `occurred_at`.
+    pub fn delivered_after(&self, delay: Duration) {
+        self.delivery_delay.observe(delay.as_secs_f64());
+    }
+
     pub fn failure(&self, tenant: &str, reason: FailureReason) {
         self.publish_failures
             .with_label_values(&[tenant, reason.as_str()])
             .inc();
     }
 
-    pub fn lag_gauge(&self, tenant: &str) -> Gauge {
-        self.lag.with_label_values(&[tenant])
+    /// The age of `tenant`'s oldest pending row, from the poll.
+    pub fn set_lag(&self, tenant: &str, lag_ms: i64) {
+        self.lag
+            .with_label_values(&[tenant])
+            .set(lag_ms as f64 / 1000.0);
+    }
+
+    /// The back-off now in force for `tenant` (zero when none).
+    pub fn set_backoff(&self, tenant: &str, delay: Duration) {
+        self.tenant_backoff
+            .with_label_values(&[tenant])
+            .set(delay.as_secs_f64());
+    }
+
+    pub fn set_amqp_connected(&self, connected: bool) {
+        self.amqp_connected.set(i64::from(connected));
+    }
+
+    pub fn set_database_up(&self, up: bool) {
+        self.database_up.set(i64::from(up));
+    }
+
+    /// Whether the database answered the last poll.
+    pub fn database_is_up(&self) -> bool {
+        self.database_up.get() == 1
     }
 }
 

@@ -1,42 +1,37 @@
 //! RabbitMQ: one connection, kept up by a supervisor that reconnects with
 //! back-off; one confirm-mode channel shared by the sweeps (see `confirms`);
-//! and the publish of a batch with at most `max_in_flight` unconfirmed
+//! and the publishing of a batch with at most `max_in_flight` unconfirmed
 //! messages.
 //!
 //! A batch's publishes are issued without awaiting each hand-off to the I/O
 //! side in turn (each `basic_publish` is polled once, in row order, which is
 //! where lapin assigns the delivery tag and queues the frames); the channel's
 //! collector settles the confirms, each within `confirm_timeout_ms` of its
-//! send, and the batch follows its confirmed prefix as it grows.
+//! send. The sweep drives a [`Publishing`], which tells it each time the
+//! confirmed prefix has grown by a step, and at last the batch's report.
 
 mod confirms;
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::{FieldTable, ShortString};
-use lapin::uri::AMQPUri;
 use lapin::{Connection, ConnectionProperties, Event, ExchangeKind};
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
 use crate::backoff::Backoff;
-use crate::config::Config;
-use crate::envelope::{Envelope, Refusal};
-use crate::metrics::{FailureReason, Metrics};
-use crate::redact::redact_url;
-use crate::store::OutboxRow;
+use crate::config::{AmqpTarget, Config};
+use crate::domain::{BatchReport, FailureReason, Lease, OutboxRow, Refusal};
+use crate::envelope::Envelope;
 use confirms::{Batch, ConfirmChannel};
 
 /// Deadline for connecting (TCP, TLS, AMQP handshake) and for opening a channel.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// Heartbeat asked of the broker unless the URL sets one: a silent peer is
-/// noticed within two intervals even when nothing is being published.
-const DEFAULT_HEARTBEAT_SECS: u16 = 10;
-/// The confirmed prefix is reported (see `publish_batch`'s `progress`) in steps
+/// The confirmed prefix is reported (see [`Progress::Confirmed`]) in steps
 /// of this many rows while the rest of a batch is still being confirmed.
 pub const PROGRESS_STEP: usize = 64;
 /// Reconnect back-off: from this…
@@ -44,94 +39,48 @@ const RECONNECT_MIN: Duration = Duration::from_millis(250);
 /// …to this.
 const RECONNECT_MAX: Duration = Duration::from_secs(10);
 
-/// Parses `amqp_url`; the error never contains the URL.
-pub fn parse_amqp_url(url: &str) -> Result<AMQPUri, String> {
-    if !(url.starts_with("amqp://") || url.starts_with("amqps://")) {
-        return Err("must start with amqp:// or amqps://".into());
-    }
-    let mut uri: AMQPUri = url.parse().map_err(|e: String| {
-        // The parser's message may quote the URL; keep only its kind.
-        if e.contains(url) {
-            "not a valid AMQP URL".to_string()
-        } else {
-            format!("not a valid AMQP URL: {e}")
-        }
-    })?;
-    if uri.query.heartbeat.is_none() {
-        uri.query.heartbeat = Some(DEFAULT_HEARTBEAT_SECS);
-    }
-    Ok(uri)
+/// A failure on the broker side that is not one row's refusal.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    /// A configured name does not fit an AMQP short string.
+    #[error("{what} is {len} bytes; AMQP allows at most 255")]
+    TooLong { what: &'static str, len: usize },
+    #[error("not connected to the broker")]
+    NotConnected,
+    #[error("cannot open a channel: {0}")]
+    Channel(#[source] lapin::Error),
+    #[error("opening a channel timed out")]
+    ChannelTimeout,
 }
 
-/// What became of a batch: how many rows from the start the broker confirmed,
-/// when, and the first row that was refused.
-#[derive(Debug, Default)]
-pub struct BatchReport {
-    /// Confirm times of the confirmed prefix, one per row.
-    pub confirmed_at: Vec<SystemTime>,
-    pub refusal: Option<(usize, Refusal)>,
-}
-
-impl BatchReport {
-    pub fn confirmed(&self) -> usize {
-        self.confirmed_at.len()
-    }
-
-    pub(crate) fn refuse(&mut self, index: usize, refusal: Refusal) {
-        if self.refusal.as_ref().is_none_or(|(at, _)| index < *at) {
-            self.refusal = Some((index, refusal));
-        }
+impl PublishError {
+    /// What a batch that met this error records for its first row: the
+    /// broker's trouble, not the row's.
+    fn refusal(&self) -> Refusal {
+        let reason = match self {
+            PublishError::ChannelTimeout => FailureReason::Timeout,
+            _ => FailureReason::Connection,
+        };
+        Refusal::new(reason, self.to_string())
     }
 }
 
-/// Where a batch stands, as its publisher last looked.
-struct BatchNow {
-    in_flight: usize,
-    refused: bool,
-    done: bool,
+fn short_string(what: &'static str, value: &str) -> Result<ShortString, PublishError> {
+    ShortString::try_new(value.to_string()).map_err(|_| PublishError::TooLong {
+        what,
+        len: value.len(),
+    })
 }
 
-/// The confirmed prefix of a batch as it grows, and whom to tell.
-struct Progress<'p> {
-    prefix: usize,
-    reported: usize,
-    tell: &'p mut (dyn FnMut(usize) + Send),
-}
-
-impl<'p> Progress<'p> {
-    fn new(tell: &'p mut (dyn FnMut(usize) + Send)) -> Progress<'p> {
-        Progress {
-            prefix: 0,
-            reported: 0,
-            tell,
-        }
-    }
-
-    /// Catches up with what the collector has settled of `batch`: while
-    /// nothing is refused, the prefix reaches over every row confirmed from
-    /// the start.
-    fn follow(&mut self, batch: &Batch) -> BatchNow {
-        let state = batch.state();
-        if state.report.refusal.is_none() {
-            self.prefix += state.confirmed[self.prefix..]
-                .iter()
-                .take_while(|at| at.is_some())
-                .count();
-        }
-        BatchNow {
-            in_flight: state.in_flight(),
-            refused: state.report.refusal.is_some(),
-            done: state.done,
-        }
-    }
-
-    /// Tells the prefix if it grew by at least `step` since last told.
-    fn report(&mut self, step: usize) {
-        if self.prefix >= self.reported + step {
-            self.reported = self.prefix;
-            (self.tell)(self.prefix);
-        }
-    }
+/// How far a batch being published has come.
+#[derive(Debug)]
+pub enum Progress {
+    /// The broker confirmed the batch's first rows, this many (at least
+    /// [`PROGRESS_STEP`] more than last told); a refusal found later may
+    /// still shorten the prefix: the report has the final word.
+    Confirmed(usize),
+    /// Everything sent is settled: what became of the batch.
+    Settled(BatchReport),
 }
 
 /// A live connection and the confirm-mode channel its sweeps share.
@@ -164,8 +113,7 @@ impl Session {
 }
 
 struct Inner {
-    uri: AMQPUri,
-    redacted_url: String,
+    target: AmqpTarget,
     /// Checked once here (configuration allows ≤ 255 bytes), cloned per message.
     exchange: ShortString,
     exchange_kind: ExchangeKind,
@@ -175,7 +123,6 @@ struct Inner {
     confirm_timeout: Duration,
     session: Mutex<Option<Arc<Session>>>,
     connected: watch::Sender<bool>,
-    metrics: Metrics,
 }
 
 /// The relay's side of the broker. Cheap to clone.
@@ -185,8 +132,7 @@ pub struct Publisher {
 }
 
 impl Publisher {
-    pub fn new(config: &Config, metrics: Metrics) -> Result<Publisher, String> {
-        let uri = parse_amqp_url(&config.amqp_url)?;
+    pub fn new(config: &Config) -> Result<Publisher, PublishError> {
         let exchange_kind = match config.exchange_type.as_str() {
             "direct" => ExchangeKind::Direct,
             "fanout" => ExchangeKind::Fanout,
@@ -197,23 +143,19 @@ impl Publisher {
         let (connected, _) = watch::channel(false);
         Ok(Publisher {
             inner: Arc::new(Inner {
-                uri,
-                redacted_url: redact_url(&config.amqp_url),
-                exchange: ShortString::try_new(config.exchange.clone())
-                    .map_err(|e| format!("exchange: {e}"))?,
+                target: config.amqp_url.clone(),
+                exchange: short_string("exchange", &config.exchange)?,
                 exchange_kind,
                 declare_exchange: config.declare_exchange,
                 envelope: Envelope {
                     routing_key: config.routing_key.clone(),
-                    content_type: ShortString::try_new(config.content_type.clone())
-                        .map_err(|e| format!("content_type: {e}"))?,
+                    content_type: short_string("content_type", &config.content_type)?,
                     max_payload_bytes: config.max_payload_bytes,
                 },
                 max_in_flight: config.max_in_flight,
                 confirm_timeout: config.confirm_timeout(),
                 session: Mutex::new(None),
                 connected,
-                metrics,
             }),
         })
     }
@@ -239,7 +181,6 @@ impl Publisher {
     fn set_session(&self, session: Option<Arc<Session>>) {
         let up = session.is_some();
         *self.inner.session.lock().unwrap_or_else(|e| e.into_inner()) = session;
-        self.inner.metrics.amqp_connected.set(i64::from(up));
         self.inner.connected.send_replace(up);
     }
 
@@ -257,7 +198,7 @@ impl Publisher {
             match result {
                 Ok(Ok(session)) => {
                     failures = 0;
-                    tracing::info!(url = %self.inner.redacted_url, "connected to the broker");
+                    tracing::info!(url = %self.inner.target, "connected to the broker");
                     self.set_session(Some(session.clone()));
                     let reason = tokio::select! {
                         reason = watch_session(&session) => reason,
@@ -277,11 +218,11 @@ impl Publisher {
                 }
                 Ok(Err(error)) => {
                     failures = failures.saturating_add(1);
-                    tracing::warn!(url = %self.inner.redacted_url, %error, "cannot connect to the broker");
+                    tracing::warn!(url = %self.inner.target, %error, "cannot connect to the broker");
                 }
                 Err(_) => {
                     failures = failures.saturating_add(1);
-                    tracing::warn!(url = %self.inner.redacted_url, timeout = ?CONNECT_TIMEOUT, "cannot connect to the broker: timed out");
+                    tracing::warn!(url = %self.inner.target, timeout = ?CONNECT_TIMEOUT, "cannot connect to the broker: timed out");
                 }
             }
             let delay = backoff.delay(failures.saturating_sub(1));
@@ -296,7 +237,7 @@ impl Publisher {
     async fn connect(&self) -> Result<Arc<Session>, lapin::Error> {
         let properties =
             ConnectionProperties::default().with_connection_name("outbox-relay".into());
-        let connection = Connection::connect_uri(self.inner.uri.clone(), properties).await?;
+        let connection = Connection::connect_uri(self.inner.target.uri.clone(), properties).await?;
         if self.inner.declare_exchange {
             let channel = connection.create_channel().await?;
             channel
@@ -353,111 +294,151 @@ impl Publisher {
         }
     }
 
-    /// Publishes `rows` of `tenant` in order and settles their confirms. Stops
-    /// sending once `claim_held` says the tenant's claim is gone. While rows
-    /// are still unconfirmed, `progress` is told the length of the prefix
-    /// confirmed so far, every [`PROGRESS_STEP`] rows or more; a refusal
-    /// found later may still shorten it (the report has the final word).
-    pub async fn publish_batch(
-        &self,
-        tenant: &str,
-        rows: &[OutboxRow],
-        claim_held: &(dyn Fn() -> bool + Sync),
-        progress: &mut (dyn FnMut(usize) + Send),
-    ) -> BatchReport {
-        let mut report = BatchReport::default();
-        let Some(session) = self.session() else {
-            report.refuse(
-                0,
-                Refusal::new(FailureReason::Connection, "not connected to the broker"),
-            );
-            return report;
-        };
-        let channel = match tokio::time::timeout(CONNECT_TIMEOUT, session.confirm_channel()).await {
-            Ok(Ok(channel)) => channel,
-            Ok(Err(error)) => {
-                report.refuse(
-                    0,
-                    Refusal::new(
-                        FailureReason::Connection,
-                        format!("cannot open a channel: {error}"),
-                    ),
-                );
-                self.reset();
-                return report;
-            }
-            Err(_) => {
-                report.refuse(
-                    0,
-                    Refusal::new(FailureReason::Timeout, "opening a channel timed out"),
-                );
-                self.reset();
-                return report;
-            }
-        };
-        self.publish_on(&channel, tenant, rows, claim_held, Progress::new(progress))
-            .await
+    /// Starts publishing `rows` of `tenant`, in order, while `lease` holds:
+    /// the caller drives it with [`Publishing::next`].
+    pub fn publish<'a>(
+        &'a self,
+        tenant: &'a str,
+        rows: &'a [OutboxRow],
+        lease: &'a dyn Lease,
+    ) -> Publishing<'a> {
+        Publishing {
+            publisher: self,
+            tenant,
+            rows,
+            lease,
+            channel: None,
+            batch: Batch::new(rows.len()),
+            sent: 0,
+            sending: true,
+            prefix: 0,
+            reported: 0,
+        }
     }
 
-    async fn publish_on(
-        &self,
-        channel: &ConfirmChannel,
-        tenant: &str,
-        rows: &[OutboxRow],
-        claim_held: &(dyn Fn() -> bool + Sync),
-        mut progress: Progress<'_>,
-    ) -> BatchReport {
-        let batch = Batch::new(rows.len());
-        for (index, row) in rows.iter().enumerate() {
-            // Within the window, and nothing refused so far.
-            let refused = loop {
-                let now = progress.follow(&batch);
-                progress.report(PROGRESS_STEP);
-                if now.refused || now.in_flight < self.inner.max_in_flight {
-                    break now.refused;
-                }
-                if !channel.changed(&batch).await {
-                    collector_stopped(channel, &batch);
-                    break true;
-                }
-            };
-            if refused || !claim_held() {
-                break;
-            }
-            let message = match self.inner.envelope.message(tenant, row) {
-                Ok(message) => message,
-                Err(refusal) => {
-                    batch.state().report.refuse(index, refusal);
-                    break;
-                }
-            };
-            channel.publish(
-                &batch,
-                (index, row.id),
-                self.inner.exchange.clone(),
-                message,
-                Instant::now() + self.inner.confirm_timeout,
-            );
-        }
+    /// The session's shared confirm channel; a failure drops the connection.
+    async fn confirm_channel(&self) -> Result<Arc<ConfirmChannel>, PublishError> {
+        let session = self.session().ok_or(PublishError::NotConnected)?;
+        let opened = tokio::time::timeout(CONNECT_TIMEOUT, session.confirm_channel()).await;
+        let error = match opened {
+            Ok(Ok(channel)) => return Ok(channel),
+            Ok(Err(error)) => PublishError::Channel(error),
+            Err(_) => PublishError::ChannelTimeout,
+        };
+        self.reset();
+        Err(error)
+    }
+}
 
-        // Everything sent is settled, even after a refusal: a later confirm
-        // may carry the return of an earlier row.
-        channel.sending_done(&batch);
+/// One batch being published: its rows go out in order, at most
+/// `max_in_flight` unconfirmed, until all are sent, one is refused, or the
+/// lease is lost; every message sent is then settled.
+pub struct Publishing<'a> {
+    publisher: &'a Publisher,
+    tenant: &'a str,
+    rows: &'a [OutboxRow],
+    lease: &'a dyn Lease,
+    channel: Option<Arc<ConfirmChannel>>,
+    batch: Arc<Batch>,
+    /// Rows handed to the channel so far.
+    sent: usize,
+    /// More rows may still be sent.
+    sending: bool,
+    /// Rows confirmed from the start, as last seen, and as last told.
+    prefix: usize,
+    reported: usize,
+}
+
+impl Publishing<'_> {
+    /// Sends what the window allows and waits until the confirmed prefix has
+    /// grown by a [`PROGRESS_STEP`] or everything sent is settled.
+    pub async fn next(&mut self) -> Progress {
+        let channel = match &self.channel {
+            Some(channel) => channel.clone(),
+            None => match self.publisher.confirm_channel().await {
+                Ok(channel) => self.channel.insert(channel).clone(),
+                Err(error) => return Progress::Settled(BatchReport::refused(error.refusal())),
+            },
+        };
         loop {
-            if progress.follow(&batch).done {
-                break;
+            let now = self.follow();
+            if now.done {
+                return Progress::Settled(self.report());
             }
-            // The last step is left to the caller's commit.
-            progress.report(PROGRESS_STEP);
-            if !channel.changed(&batch).await {
-                collector_stopped(channel, &batch);
-                break;
+            // The last step is left to the caller's settlement.
+            if self.prefix >= self.reported + PROGRESS_STEP {
+                self.reported = self.prefix;
+                return Progress::Confirmed(self.prefix);
+            }
+            if self.sending {
+                if now.refused || self.sent == self.rows.len() || !self.lease.is_held() {
+                    // Everything sent is settled, even after a refusal: a
+                    // later confirm may carry the return of an earlier row.
+                    self.sending = false;
+                    channel.sending_done(&self.batch);
+                    continue;
+                }
+                if now.in_flight < self.publisher.inner.max_in_flight {
+                    self.send(&channel);
+                    continue;
+                }
+            }
+            if !channel.changed(&self.batch).await {
+                // Nothing of the batch is known to be settled: it is not marked.
+                self.batch.state().report.refuse(
+                    0,
+                    Refusal::new(FailureReason::Other, "the confirm collector stopped"),
+                );
+                channel.retire();
+                return Progress::Settled(self.report());
             }
         }
+    }
 
-        let mut state = batch.state();
+    /// Hands the next row to the channel, or refuses it if it cannot be a
+    /// message.
+    fn send(&mut self, channel: &ConfirmChannel) {
+        let index = self.sent;
+        let row = &self.rows[index];
+        self.sent += 1;
+        let inner = &self.publisher.inner;
+        match inner.envelope.message(self.tenant, row) {
+            Ok(message) => channel.publish(
+                &self.batch,
+                (index, row.id),
+                inner.exchange.clone(),
+                message,
+                Instant::now() + inner.confirm_timeout,
+            ),
+            Err(refusal) => self.batch.state().report.refuse(index, refusal),
+        }
+    }
+
+    /// Catches up with what the collector has settled: while nothing is
+    /// refused, the prefix reaches over every row confirmed from the start.
+    fn follow(&mut self) -> BatchNow {
+        let state = self.batch.state();
+        if state.report.refusal.is_none() {
+            self.prefix += state.confirmed[self.prefix..]
+                .iter()
+                .take_while(|at| at.is_some())
+                .count();
+        }
+        BatchNow {
+            in_flight: state.in_flight(),
+            refused: state.report.refusal.is_some(),
+            done: state.done,
+        }
+    }
+
+    /// The batch's report: the confirmed prefix up to the first refusal.
+    fn report(&self) -> BatchReport {
+        let mut state = self.batch.state();
         let mut report = std::mem::take(&mut state.report);
-        let limit = report.refusal.as_ref().map_or(rows.len(), |(at, _)| *at);
+        let limit = report
+            .refusal
+            .as_ref()
+            .map_or(self.rows.len(), |(at, _)| *at);
         report.confirmed_at = state
             .confirmed
             .iter()
@@ -468,13 +449,11 @@ impl Publisher {
     }
 }
 
-/// Nothing of `batch` is known to be settled: it is not marked.
-fn collector_stopped(channel: &ConfirmChannel, batch: &Batch) {
-    batch.state().report.refuse(
-        0,
-        Refusal::new(FailureReason::Other, "the confirm collector stopped"),
-    );
-    channel.retire();
+/// Where a batch stands, as its publisher last looked.
+struct BatchNow {
+    in_flight: usize,
+    refused: bool,
+    done: bool,
 }
 
 /// Resolves when the session can no longer be used, with why.

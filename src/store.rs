@@ -4,26 +4,33 @@
 //! `"schema"."table"`.
 //!
 //! A [`Claim`] is one open transaction on one pooled connection holding a
-//! tenant's advisory lock. It ends by [`Claim::finish`] (commit) or by being
-//! dropped: a dropped claim takes its connection out of the pool and closes it,
-//! so the server rolls the transaction back and no half-used connection is
-//! ever handed to another sweep.
+//! tenant's advisory lock. It marks the confirmed prefix of its batch ahead
+//! ([`Claim::mark_ahead`]) while the rest is still being confirmed, and ends by
+//! [`Claim::settle`] (commit) or by being dropped: a dropped claim takes its
+//! connection out of the pool and closes it, so the server rolls the
+//! transaction back and no half-used connection is ever handed to another
+//! sweep.
 
-use std::path::PathBuf;
-use std::sync::Arc;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, RecyclingMethod, Runtime, Timeouts};
-use time::OffsetDateTime;
-use tokio_postgres::config::SslMode;
+use deadpool_postgres::{
+    BuildError, Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime, Timeouts,
+};
+use futures_util::future::{MaybeDone, maybe_done};
 use tokio_postgres::types::ToSql;
 
-use crate::config::Config;
+use crate::config::{Config, DatabaseTarget};
+use crate::domain::{BatchReport, Lease, OutboxRow};
 
 /// Deadline of each round trip of a sweep, and of the poll and lag queries.
 pub const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
 /// Deadline for opening a connection (TCP, TLS, authentication).
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+pub const CONNECT_TIMEOUT: Duration = crate::config::DATABASE_CONNECT_TIMEOUT;
 /// How long a caller waits for a free pooled connection.
 pub const POOL_WAIT_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -41,20 +48,40 @@ const PENDING_TENANTS: &str = include_str!("store/pending_tenants.sql");
 const TENANT_LAG: &str = include_str!("store/tenant_lag.sql");
 const TENANT_STATUS: &str = include_str!("store/tenant_status.sql");
 
-/// A failure to talk to PostgreSQL. Never carries a password or a payload.
+/// A failure to talk to PostgreSQL. Its text carries the server's own message
+/// and SQLSTATE where there is one, never a password or a payload.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("no database connection: {0}")]
-    Pool(String),
-    #[error("database error: {0}")]
-    Query(String),
+    #[error("no database connection: {}", describe_pool(.0))]
+    Pool(#[source] PoolError),
+    #[error("database error: {}", describe(.0))]
+    Query(#[source] tokio_postgres::Error),
     #[error("database did not answer {0} within {1:?}")]
     Timeout(&'static str, Duration),
+    #[error("sslrootcert {}: {source}", path.display())]
+    RootCert {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot build the connection pool: {0}")]
+    Build(#[source] BuildError),
 }
 
 impl From<tokio_postgres::Error> for StoreError {
     fn from(error: tokio_postgres::Error) -> StoreError {
-        StoreError::Query(describe(&error))
+        StoreError::Query(error)
+    }
+}
+
+impl StoreError {
+    /// The server's SQLSTATE, when the server refused a statement.
+    pub fn sqlstate(&self) -> Option<&str> {
+        let error = match self {
+            StoreError::Query(error) | StoreError::Pool(PoolError::Backend(error)) => error,
+            _ => return None,
+        };
+        error.as_db_error().map(|db| db.code().code())
     }
 }
 
@@ -75,16 +102,11 @@ fn describe(error: &tokio_postgres::Error) -> String {
     }
 }
 
-/// One pending outbox row, as the relay publishes it.
-#[derive(Debug, Clone)]
-pub struct OutboxRow {
-    pub id: i64,
-    pub kind: String,
-    pub subject_id: String,
-    /// `None` is a tombstone.
-    pub payload: Option<String>,
-    pub headers: Option<serde_json::Value>,
-    pub occurred_at: OffsetDateTime,
+fn describe_pool(error: &PoolError) -> String {
+    match error {
+        PoolError::Backend(error) => describe(error),
+        other => other.to_string(),
+    }
 }
 
 /// A tenant's lag as the database's clock sees it.
@@ -139,105 +161,24 @@ pub fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
-/// A parsed `database_url`: the driver's config plus what the driver does not
-/// parse itself (`sslmode=verify-full`/`verify-ca`, `sslrootcert`).
-pub struct DatabaseTarget {
-    pub config: tokio_postgres::Config,
-    pub root_cert: Option<PathBuf>,
-}
-
-/// Parses `database_url` (URL or key-value form). The error text never contains
-/// the URL itself.
-pub fn parse_database_url(url: &str) -> Result<DatabaseTarget, String> {
-    let mut root_cert = None;
-    let mut verify = false;
-    let mut tls_asked = false;
-    let mut rewrite = |key: &str, value: &str| -> Option<(String, String)> {
-        match (key, value) {
-            ("sslmode", "verify-full" | "verify-ca") => {
-                verify = true;
-                Some((key.into(), "require".into()))
-            }
-            ("sslmode", _) => {
-                tls_asked = true;
-                Some((key.into(), value.into()))
-            }
-            ("sslrootcert", path) => {
-                root_cert = Some(PathBuf::from(path));
-                None
-            }
-            _ => Some((key.into(), value.into())),
-        }
-    };
-    let cleaned = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        let mut parsed = url::Url::parse(url).map_err(|e| format!("not a valid URL: {e}"))?;
-        let pairs: Vec<(String, String)> = parsed
-            .query_pairs()
-            .filter_map(|(k, v)| rewrite(&k, &v))
-            .collect();
-        if pairs.is_empty() {
-            parsed.set_query(None);
-        } else {
-            parsed.query_pairs_mut().clear().extend_pairs(pairs);
-        }
-        parsed.to_string()
-    } else if url.contains("://") {
-        return Err("must start with postgres:// or postgresql:// (or be key=value pairs)".into());
-    } else {
-        url.split_whitespace()
-            .filter_map(|pair| {
-                let (k, v) = pair.split_once('=')?;
-                rewrite(k, v).map(|(k, v)| format!("{k}={v}"))
-            })
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    let mut config: tokio_postgres::Config =
-        cleaned.parse().map_err(|e: tokio_postgres::Error| {
-            format!("not a valid PostgreSQL connection string: {e}")
-        })?;
-    if config.get_hosts().is_empty() {
-        return Err("names no host".into());
-    }
-    if verify {
-        config.ssl_mode(SslMode::Require);
-    }
-    // Without an sslmode the connection is plain, as DESIGN.md has it: TLS is
-    // asked for with sslmode=require or verify-full, and then always verified.
-    if !tls_asked && !verify {
-        config.ssl_mode(SslMode::Disable);
-    }
-    if config.get_connect_timeout().is_none() {
-        config.connect_timeout(CONNECT_TIMEOUT);
-    }
-    if config.get_application_name().is_none() {
-        config.application_name("outbox-relay");
-    }
-    // A dead peer is noticed in about 30 s even when no query is running.
-    config
-        .keepalives(true)
-        .keepalives_idle(Duration::from_secs(15))
-        .keepalives_interval(Duration::from_secs(5))
-        .keepalives_retries(3);
-    Ok(DatabaseTarget { config, root_cert })
-}
-
 fn tls_connector(
-    root_cert: Option<&PathBuf>,
-) -> Result<tokio_postgres_rustls::MakeRustlsConnect, String> {
+    root_cert: Option<&Path>,
+) -> Result<tokio_postgres_rustls::MakeRustlsConnect, StoreError> {
     let mut roots = rustls::RootCertStore::empty();
     for cert in rustls_native_certs::load_native_certs().certs {
         // A system certificate the TLS library cannot use is skipped, not fatal.
         let _ = roots.add(cert);
     }
     if let Some(path) = root_cert {
-        let pem =
-            std::fs::read(path).map_err(|e| format!("sslrootcert {}: {e}", path.display()))?;
-        let mut reader = std::io::BufReader::new(pem.as_slice());
-        for cert in rustls_pemfile_certs(&mut reader) {
+        let unusable = |source| StoreError::RootCert {
+            path: path.to_path_buf(),
+            source,
+        };
+        let pem = std::fs::read(path).map_err(unusable)?;
+        for cert in pem_certificates(&pem) {
             roots
                 .add(cert)
-                .map_err(|e| format!("sslrootcert {}: {e}", path.display()))?;
+                .map_err(|e| unusable(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?;
         }
     }
     let tls = rustls::ClientConfig::builder()
@@ -247,26 +188,25 @@ fn tls_connector(
 }
 
 /// The certificates of a PEM file (any other blocks are skipped).
-fn rustls_pemfile_certs(
-    reader: &mut dyn std::io::BufRead,
-) -> Vec<rustls::pki_types::CertificateDer<'static>> {
+fn pem_certificates(pem: &[u8]) -> Vec<rustls::pki_types::CertificateDer<'static>> {
     use rustls::pki_types::pem::PemObject;
-    let mut pem = Vec::new();
-    if reader.read_to_end(&mut pem).is_err() {
-        return Vec::new();
-    }
-    rustls::pki_types::CertificateDer::pem_slice_iter(&pem)
+    rustls::pki_types::CertificateDer::pem_slice_iter(pem)
         .filter_map(Result::ok)
         .collect()
 }
 
 impl Store {
-    /// Builds the pool; no connection is opened until one is needed.
-    pub fn new(config: &Config) -> Result<Store, String> {
-        let target = parse_database_url(&config.database_url)?;
-        let tls = tls_connector(target.root_cert.as_ref())?;
+    /// Builds the pool for the configured target; no connection is opened
+    /// until one is needed.
+    pub fn new(config: &Config) -> Result<Store, StoreError> {
+        let DatabaseTarget {
+            config: target,
+            root_cert,
+            ..
+        } = config.database_url.clone();
+        let tls = tls_connector(root_cert.as_deref())?;
         let manager = Manager::from_config(
-            target.config,
+            target,
             tls,
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
@@ -281,7 +221,7 @@ impl Store {
             })
             .runtime(Runtime::Tokio1)
             .build()
-            .map_err(|e| e.to_string())?;
+            .map_err(StoreError::Build)?;
         let table = qualified_table(&config.schema, &config.table);
         let with_table = |sql: &str| sql.replace("{table}", &table);
         Ok(Store {
@@ -302,21 +242,18 @@ impl Store {
 
     /// A pooled connection, within [`POOL_WAIT_TIMEOUT`].
     pub async fn connection(&self) -> Result<Object, StoreError> {
-        self.pool
-            .get()
-            .await
-            .map_err(|e| StoreError::Pool(e.to_string()))
+        self.pool.get().await.map_err(StoreError::Pool)
     }
 
     /// Opens a transaction, tries the tenant's advisory lock and reads its
     /// oldest pending rows, all in one round trip. `Ok(None)`: another relay
     /// holds the tenant.
     pub async fn claim(&self, tenant: &str) -> Result<Option<Claim>, StoreError> {
-        let conn = self.connection().await?;
         let mut claim = Claim {
-            conn: Some(conn),
+            conn: Some(Arc::new(self.connection().await?)),
             store: self.clone(),
             rows: Vec::new(),
+            ahead: Mutex::new(MarksAhead::default()),
         };
         let client = claim.client();
         let work = async {
@@ -426,17 +363,13 @@ impl Store {
             Ok(rows.iter().map(map).collect::<Result<Vec<T>, _>>()?)
         };
         let result = deadline(what, work).await;
-        finish_or_discard(conn, result)
+        if result.is_err() {
+            // It may be half-way through a statement on a stalled path: the
+            // pool does not get it back.
+            drop(Object::take(conn));
+        }
+        result
     }
-}
-
-/// Returns a connection whose last use failed to the pool no more: it may be
-/// half-way through a statement on a stalled path.
-fn finish_or_discard<T>(conn: Object, result: Result<T, StoreError>) -> Result<T, StoreError> {
-    if result.is_err() {
-        drop(Object::take(conn));
-    }
-    result
 }
 
 async fn deadline<T>(
@@ -450,45 +383,34 @@ async fn deadline<T>(
 }
 
 /// Runs an `UPDATE … WHERE id = ANY($1)` statement; no round trip for no ids.
-async fn update_ids(
-    client: &Object,
-    statement: &tokio_postgres::Statement,
-    ids: &[i64],
-) -> Result<u64, tokio_postgres::Error> {
+async fn update_ids(client: &Object, sql: &str, ids: &[i64]) -> Result<u64, StoreError> {
     if ids.is_empty() {
         return Ok(0);
     }
-    client.execute(statement, &[&ids]).await
+    let statement = client.prepare_cached(sql).await?;
+    Ok(client.execute(&statement, &[&ids]).await?)
 }
 
-/// How a sweep ends its claim: which rows the broker confirmed and, if one was
-/// refused, which one and why.
-#[derive(Debug, Default)]
-pub struct Settlement<'a> {
-    /// Rows to mark published (those not already marked ahead).
-    pub published: Vec<i64>,
-    /// Rows marked ahead that are not in the confirmed prefix after all.
-    pub unpublished: Vec<i64>,
-    pub refused: Option<Refused<'a>>,
-}
+/// An UPDATE marking rows published ahead of the commit: sent when first
+/// polled, its outcome read before the commit.
+type MarkAhead = Pin<Box<MaybeDone<Pin<Box<dyn Future<Output = Result<u64, StoreError>> + Send>>>>>;
 
-/// The row a sweep stopped at, and why.
-#[derive(Debug, Clone, Copy)]
-pub struct Refused<'a> {
-    pub id: i64,
-    /// Stored in `last_error`: `<reason>: <detail>`, never a payload.
-    pub last_error: &'a str,
-    /// A refusal by the broker (or of the row itself) counts in `attempts`; a
-    /// lost connection does not.
-    pub counts_as_attempt: bool,
+/// The marks a claim has sent ahead of its commit.
+#[derive(Default)]
+struct MarksAhead {
+    /// Rows of the batch, from its start, that the marks cover.
+    rows: usize,
+    sent: Vec<MarkAhead>,
 }
 
 /// A tenant held by this relay: an open transaction with the advisory lock and
 /// the batch it read.
 pub struct Claim {
-    conn: Option<Object>,
+    /// Shared only with the marks sent ahead, which end before the claim does.
+    conn: Option<Arc<Object>>,
     store: Store,
     rows: Vec<OutboxRow>,
+    ahead: Mutex<MarksAhead>,
 }
 
 impl Claim {
@@ -503,61 +425,102 @@ impl Claim {
         &self.rows
     }
 
-    /// Whether the claim still holds: its connection (and with it the
-    /// transaction and the advisory lock) is open. Once it is not, another
-    /// relay may be publishing the same rows, so this one stops sending.
-    pub fn is_held(&self) -> bool {
-        self.conn.as_ref().is_some_and(|c| !c.is_closed())
-    }
-
-    /// Sends the UPDATE marking `ids` published now, inside the claim's
-    /// transaction, while the rest of the batch is still being confirmed; the
-    /// marks become visible only at the commit. The returned future sends the
-    /// statement when first polled and resolves to its outcome, which must be
-    /// awaited before [`Claim::finish`]: a failed statement aborts the
-    /// transaction. Rows marked ahead that end up outside the confirmed prefix
-    /// go in [`Settlement::unpublished`].
-    pub fn mark_ahead(
-        &self,
-        ids: Vec<i64>,
-    ) -> impl Future<Output = Result<u64, StoreError>> + Send + '_ {
-        let client = self.client();
-        let sql = &self.store.statements.mark_published;
-        async move {
-            deadline("marking ahead", async {
-                let mark = client.prepare_cached(sql).await?;
-                Ok(update_ids(client, &mark, &ids).await?)
-            })
-            .await
+    /// Sends the UPDATE marking the batch's first `prefix` rows published
+    /// (those not marked yet), inside the claim's transaction, while the rest
+    /// of the batch is still being confirmed; the marks become visible only at
+    /// the commit, and [`Claim::settle`] undoes any that end up past the
+    /// confirmed prefix.
+    pub fn mark_ahead(&self, prefix: usize) {
+        let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(ids) = self.rows.get(ahead.rows..prefix) else {
+            return;
+        };
+        let ids: Vec<i64> = ids.iter().map(|row| row.id).collect();
+        ahead.rows = prefix;
+        let conn = self.conn.clone().expect("a claim holds its connection");
+        let store = self.store.clone();
+        let update: Pin<Box<dyn Future<Output = _> + Send>> =
+            Box::pin(
+                async move { update_ids(&conn, &store.statements.mark_published, &ids).await },
+            );
+        ahead.sent.push(Box::pin(maybe_done(update)));
+        // The first poll sends the statement. The marks sent before are
+        // polled too: the driver hands a statement's answer over only once
+        // the one before it has taken its own, so answers left waiting would
+        // hold up the connection.
+        let mut noop = Context::from_waker(Waker::noop());
+        for mark in &mut ahead.sent {
+            let _ = mark.as_mut().poll(&mut noop);
         }
     }
 
-    /// Marks the published rows, undoes marks made ahead for rows that were
-    /// not, records a refusal, and commits, in one round trip. On any error
-    /// the transaction is abandoned and nothing is marked.
-    pub async fn finish(mut self, settlement: Settlement<'_>) -> Result<(), StoreError> {
+    /// Waits for the marks sent ahead, within [`QUERY_TIMEOUT`] of being
+    /// asked (not of being sent: a long batch may be sending for longer);
+    /// the rows they marked. A failed mark has aborted the transaction: the
+    /// claim can only be dropped.
+    pub async fn marks_ahead_done(&self) -> Result<u64, StoreError> {
+        // Polled where they are: the claim must always know every holder of
+        // its connection (see `Drop`), even if this wait is abandoned.
+        let all_answered = std::future::poll_fn(|cx| {
+            let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+            for mark in &mut ahead.sent {
+                if mark.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+            }
+            Poll::Ready(Ok(()))
+        });
+        deadline("marking ahead", all_answered).await?;
+        let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+        let mut marked = 0;
+        for mut mark in std::mem::take(&mut ahead.sent) {
+            marked += mark
+                .as_mut()
+                .take_output()
+                .expect("a finished mark has its outcome")?;
+        }
+        Ok(marked)
+    }
+
+    /// Ends the claim as the batch went: marks the confirmed prefix (what the
+    /// marks sent ahead did not cover), undoes marks sent ahead past it,
+    /// records a refusal, and commits, in one round trip; gives the batch
+    /// back. On any error the transaction is abandoned and nothing is marked.
+    pub async fn settle(mut self, report: &BatchReport) -> Result<Vec<OutboxRow>, StoreError> {
+        self.marks_ahead_done().await?;
+        let confirmed = report.confirmed();
+        let marked = self.ahead.get_mut().unwrap_or_else(|e| e.into_inner()).rows;
+        let ids = |from: usize, to: usize| -> Vec<i64> {
+            self.rows[from.min(to)..to].iter().map(|r| r.id).collect()
+        };
+        let (published, unpublished) = (ids(marked, confirmed), ids(confirmed, marked));
+        let refused = report
+            .refusal
+            .as_ref()
+            .and_then(|(at, refusal)| Some((self.rows.get(*at)?.id, refusal)));
         let client = self.client();
         let statements = &self.store.statements;
         let work = async {
-            let mark = client.prepare_cached(&statements.mark_published).await?;
-            let unmark = client.prepare_cached(&statements.unmark_published).await?;
             let record = client.prepare_cached(&statements.record_refusal).await?;
-            let published = update_ids(client, &mark, &settlement.published);
-            let unpublished = update_ids(client, &unmark, &settlement.unpublished);
             let refused = async {
-                match settlement.refused {
-                    Some(refused) => {
-                        let attempts = i32::from(refused.counts_as_attempt);
-                        let params: [&(dyn ToSql + Sync); 3] =
-                            [&refused.id, &refused.last_error, &attempts];
-                        client.execute(&record, &params).await
+                match refused {
+                    Some((id, refusal)) => {
+                        // Why the row did not go out is always recorded; only
+                        // the row's own refusals count as attempts.
+                        let attempts = i32::from(refusal.reason.counts_as_attempt());
+                        let last_error = refusal.last_error();
+                        let params: [&(dyn ToSql + Sync); 3] = [&id, &last_error, &attempts];
+                        client
+                            .execute(&record, &params)
+                            .await
+                            .map_err(StoreError::from)
                     }
                     None => Ok(0),
                 }
             };
             let (marked, unmarked, recorded, commit) = tokio::join!(
-                published,
-                unpublished,
+                update_ids(client, &statements.mark_published, &published),
+                update_ids(client, &statements.unmark_published, &unpublished),
                 refused,
                 client.batch_execute("COMMIT")
             );
@@ -571,11 +534,12 @@ impl Claim {
         };
         deadline("the commit", work).await?;
         self.release();
-        Ok(())
+        Ok(std::mem::take(&mut self.rows))
     }
 
     /// Ends the transaction without changes.
     pub async fn rollback(mut self) -> Result<(), StoreError> {
+        self.marks_ahead_done().await?;
         let client = self.client();
         deadline("the rollback", async {
             Ok(client.batch_execute("ROLLBACK").await?)
@@ -591,9 +555,23 @@ impl Claim {
     }
 }
 
+impl Lease for Claim {
+    /// Whether the claim still holds: its connection (and with it the
+    /// transaction and the advisory lock) is open.
+    fn is_held(&self) -> bool {
+        self.conn.as_ref().is_some_and(|c| !c.is_closed())
+    }
+}
+
 impl Drop for Claim {
     fn drop(&mut self) {
-        if let Some(conn) = self.conn.take() {
+        // The marks share the connection; they go first.
+        self.ahead
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .sent
+            .clear();
+        if let Some(conn) = self.conn.take().and_then(Arc::into_inner) {
             // Still inside the transaction: close the connection, and with it
             // the transaction and the advisory lock.
             drop(Object::take(conn));

@@ -96,6 +96,14 @@ impl RoutingKey {
     }
 }
 
+impl std::str::FromStr for RoutingKey {
+    type Err = TemplateError;
+
+    fn from_str(template: &str) -> Result<RoutingKey, TemplateError> {
+        RoutingKey::parse(template)
+    }
+}
+
 impl fmt::Display for RoutingKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.source)

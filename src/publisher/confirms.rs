@@ -32,9 +32,9 @@ use lapin::{Channel, Confirmation};
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
-use super::{BatchReport, Session};
-use crate::envelope::{Message, Refusal};
-use crate::metrics::FailureReason;
+use super::Session;
+use crate::domain::{BatchReport, FailureReason, Refusal};
+use crate::envelope::Message;
 
 /// The collector waits for the newest of this many unsettled confirms before
 /// settling them in order: the broker confirms mostly in order, so this wakes

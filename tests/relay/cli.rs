@@ -413,3 +413,37 @@ async fn status_shows_each_tenants_blocking_row_and_exits_1_when_lagging() {
     assert!(stderr.contains("cannot read the outbox"), "{stderr}");
     outbox.drop_schema().await;
 }
+
+#[test]
+fn database_errors_carry_the_servers_message_and_sqlstate() {
+    let role = unique("role");
+    let wrong_role = format!("postgres://{role}@127.0.0.1:5432/test");
+    let table = unique("absent");
+    let cases = [
+        (
+            vec![("OUTBOX_DATABASE_URL", wrong_role.as_str())],
+            vec!["status"],
+            format!("role \"{role}\" does not exist (SQLSTATE 28000)"),
+        ),
+        (
+            vec![("OUTBOX_DATABASE_URL", wrong_role.as_str())],
+            vec!["migrate"],
+            format!("role \"{role}\" does not exist (SQLSTATE 28000)"),
+        ),
+        (
+            vec![
+                ("OUTBOX_DATABASE_URL", DATABASE_URL),
+                ("OUTBOX_TABLE", table.as_str()),
+            ],
+            vec!["status"],
+            format!("relation \"public.{table}\" does not exist (SQLSTATE 42P01)"),
+        ),
+    ];
+    for (mut env, args, expected) in cases {
+        env.extend([("OUTBOX_TENANTS", "a"), ("OUTBOX_LOG_FORMAT", "json")]);
+        let (code, _, stderr) = run(&env, &args);
+        assert_eq!(code, Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(&expected), "{args:?}: {stderr}");
+        assert!(!stderr.contains("db error"), "{args:?}: {stderr}");
+    }
+}

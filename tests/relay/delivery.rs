@@ -389,7 +389,9 @@ async fn an_unreachable_broker_is_not_fatal_and_not_ready() {
     let port = closed.local_addr().unwrap().port();
     drop(closed);
     let mut config = config(&outbox, &broker, &["a"]);
-    config.amqp_url = format!("amqp://guest:guest@127.0.0.1:{port}/%2f");
+    config.amqp_url = format!("amqp://guest:guest@127.0.0.1:{port}/%2f")
+        .parse()
+        .expect("amqp url");
     let relay = start_relay(config).await;
     eventually("database seen up", Duration::from_secs(10), || async {
         metric(&relay.get("/metrics").await.1, "outbox_database_up") == Some(1.0)

@@ -13,9 +13,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use outbox_relay::config::{Config, KEYS, Sources};
-use outbox_relay::metrics::{FailureReason, Metrics, OutcomeLabel};
+use outbox_relay::domain::{FailureReason, Outcome};
+use outbox_relay::metrics::Metrics;
 use outbox_relay::relay::Relay;
 use serde::Deserialize;
 use serde_yaml::Value;
@@ -118,8 +120,8 @@ fn metric_names(text: &str) -> BTreeSet<String> {
 /// closed port, and neither the scheduler nor the broker supervisor runs.
 async fn serve_router() -> std::net::SocketAddr {
     let mut config = Config::with_tenants(["a"]);
-    config.database_url = "postgres://postgres@127.0.0.1:9/none".into();
-    config.amqp_url = "amqp://guest:guest@127.0.0.1:9/%2f".into();
+    config.database_url = "postgres://postgres@127.0.0.1:9/none".parse().unwrap();
+    config.amqp_url = "amqp://guest:guest@127.0.0.1:9/%2f".parse().unwrap();
     let relay = Arc::new(Relay::from_config(Arc::new(config)).expect("relay builds"));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -151,7 +153,7 @@ async fn every_metric_in_the_rules_and_the_dashboard_is_one_the_relay_exposes() 
             );
         }
     }
-    // The other way round: the dashboard shows every metric of DESIGN.md.
+    // The other way round: the dashboard shows every metric of docs/design.md.
     let exposed: BTreeSet<String> = scraped
         .lines()
         .filter_map(|l| l.strip_prefix("# TYPE "))
@@ -639,28 +641,18 @@ fn write_target(name: &str, text: &str) {
 fn a_metrics_sample_is_left_for_promtool() {
     let tenants = ["acme".to_string(), "globex".to_string()];
     let metrics = Metrics::new(&tenants);
-    metrics.published.with_label_values(&["acme"]).inc_by(42);
+    metrics.count_published("acme", 42);
     metrics.failure("globex", FailureReason::Unroutable);
     metrics.failure("globex", FailureReason::Timeout);
-    for outcome in OutcomeLabel::ALL {
-        metrics
-            .sweeps
-            .with_label_values(&["acme", outcome.as_str()])
-            .inc();
-        metrics
-            .sweep_duration
-            .with_label_values(&[outcome.as_str()])
-            .observe(0.012);
+    for outcome in Outcome::ALL {
+        metrics.sweep_finished("acme", outcome, Duration::from_millis(12));
     }
-    metrics.delivery_delay.observe(0.3);
-    metrics.delivery_delay.observe(4.0);
-    metrics.lag_gauge("globex").set(75.5);
-    metrics
-        .tenant_backoff
-        .with_label_values(&["globex"])
-        .set(1.6);
-    metrics.amqp_connected.set(1);
-    metrics.database_up.set(1);
+    metrics.delivered_after(Duration::from_millis(300));
+    metrics.delivered_after(Duration::from_secs(4));
+    metrics.set_lag("globex", 75_500);
+    metrics.set_backoff("globex", Duration::from_millis(1_600));
+    metrics.set_amqp_connected(true);
+    metrics.set_database_up(true);
     let text = metrics.render();
     for line in [
         "# HELP ",
@@ -748,8 +740,8 @@ fn the_compose_file_builds_the_relay_and_waits_for_healthy_services() {
     assert_eq!(config.tenants, ["demo"]);
     assert!(config.migrate);
     for (url, service) in [
-        (&config.database_url, "postgres"),
-        (&config.amqp_url, "rabbitmq"),
+        (config.database_url.to_string(), "postgres"),
+        (config.amqp_url.to_string(), "rabbitmq"),
     ] {
         assert!(
             url.contains(&format!("@{service}:")),

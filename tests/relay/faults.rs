@@ -159,7 +159,7 @@ async fn broker_connection_reset_mid_batch() {
     let proxy = Proxy::start(addr(BROKER), Mode::Delay(Duration::from_millis(5))).await;
     let batch_size = 300;
     let mut config = config(&outbox, &broker, &["reset"]);
-    config.amqp_url = amqp_via(&proxy);
+    config.amqp_url = amqp_via(&proxy).parse().expect("amqp url");
     config.batch_size = batch_size;
     config.max_in_flight = 10;
     config.max_backoff_ms = 500;
@@ -224,7 +224,7 @@ async fn broker_path_stalls() {
     let broker = Broker::create(&["#"]).await;
     let proxy = Proxy::start(addr(BROKER), Mode::Delay(Duration::from_millis(5))).await;
     let mut config = config(&outbox, &broker, &["stall"]);
-    config.amqp_url = amqp_via(&proxy);
+    config.amqp_url = amqp_via(&proxy).parse().expect("amqp url");
     config.batch_size = 200;
     config.max_in_flight = 10;
     config.confirm_timeout_ms = 1_000;
@@ -370,7 +370,7 @@ async fn broker_down_at_start() {
     let mut committed = Committed::new();
     write_rows(&outbox, &["early".to_string()], 50, &mut committed).await;
     let mut config = config(&outbox, &broker, &["early"]);
-    config.amqp_url = amqp_via(&proxy);
+    config.amqp_url = amqp_via(&proxy).parse().expect("amqp url");
     let relay = start_relay(config).await;
     eventually("connection attempts", Duration::from_secs(10), || async {
         proxy.accepted() >= 2
@@ -408,7 +408,7 @@ async fn claiming_backend_terminated() {
     let proxy = Proxy::start(addr(BROKER), Mode::Delay(Duration::from_millis(5))).await;
     let batch_size = 300;
     let mut config = config(&outbox, &broker, &["held"]);
-    config.amqp_url = amqp_via(&proxy);
+    config.amqp_url = amqp_via(&proxy).parse().expect("amqp url");
     config.batch_size = batch_size;
     config.max_in_flight = 10;
     config.max_backoff_ms = 500;
@@ -470,7 +470,7 @@ async fn database_path_stalls_and_resets() {
     let broker = Broker::create(&["#"]).await;
     let proxy = Proxy::start(addr(DATABASE), Mode::Pass).await;
     let mut config = config(&outbox, &broker, &["db"]);
-    config.database_url = database_via(&proxy);
+    config.database_url = database_via(&proxy).parse().expect("database url");
     config.max_backoff_ms = 500;
     let mut committed = Committed::new();
     write_rows(&outbox, &["db".to_string()], 20, &mut committed).await;

@@ -443,12 +443,13 @@ async fn a_nack_deep_in_a_batch_marks_exactly_the_confirmed_prefix() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn marks_sent_ahead_are_invisible_until_the_commit_and_undone_past_a_late_refusal() {
-    use outbox_relay::store::{Refused, Settlement, Store};
+    use outbox_relay::domain::{BatchReport, FailureReason, Refusal};
+    use outbox_relay::store::Store;
 
     let outbox = Outbox::create().await;
     let ids = outbox.insert_many("ahead", 10).await;
     let mut config = outbox_relay::config::Config::with_tenants(["ahead"]);
-    config.database_url = crate::support::DATABASE_URL.into();
+    config.database_url = crate::support::DATABASE_URL.parse().expect("url");
     config.schema = outbox.schema.clone();
     config.table = outbox.table.clone();
     let store = Store::new(&config).expect("store");
@@ -468,10 +469,8 @@ async fn marks_sent_ahead_are_invisible_until_the_commit_and_undone_past_a_late_
     // Marked ahead, then the claim is abandoned: nothing was ever visible.
     let abandoned = claim().await;
     assert_eq!(abandoned.rows().len(), 10);
-    assert_eq!(
-        abandoned.mark_ahead(ids[..5].to_vec()).await.expect("mark"),
-        5
-    );
+    abandoned.mark_ahead(5);
+    assert_eq!(abandoned.marks_ahead_done().await.expect("mark"), 5);
     assert_eq!(
         outbox.pending("ahead").await,
         10,
@@ -483,16 +482,16 @@ async fn marks_sent_ahead_are_invisible_until_the_commit_and_undone_past_a_late_
     // Marked ahead past the row a refusal later turned out to stop at: the
     // commit keeps the prefix only, and records the refusal.
     let claim = claim().await;
-    assert_eq!(claim.mark_ahead(ids[..8].to_vec()).await.expect("mark"), 8);
+    claim.mark_ahead(8);
+    assert_eq!(claim.marks_ahead_done().await.expect("mark"), 8);
+    let confirmed = std::time::SystemTime::now();
     claim
-        .finish(Settlement {
-            published: Vec::new(),
-            unpublished: ids[5..8].to_vec(),
-            refused: Some(Refused {
-                id: ids[5],
-                last_error: "nack: the broker nacked the message",
-                counts_as_attempt: true,
-            }),
+        .settle(&BatchReport {
+            confirmed_at: vec![confirmed; 5],
+            refusal: Some((
+                5,
+                Refusal::new(FailureReason::Nack, "the broker nacked the message"),
+            )),
         })
         .await
         .expect("commit");

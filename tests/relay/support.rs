@@ -96,7 +96,7 @@ impl Outbox {
         let schema = unique("t");
         let table = "outbox_message".to_string();
         let mut config = Config::with_tenants(["migrate"]);
-        config.database_url = DATABASE_URL.into();
+        config.database_url = DATABASE_URL.parse().expect("database url");
         config.schema = schema.clone();
         config.table = table.clone();
         let store = outbox_relay::store::Store::new(&config).expect("store");
@@ -474,8 +474,8 @@ pub fn by_tenant(received: &[Received]) -> BTreeMap<String, Vec<i64>> {
 /// A relay configuration for this test's table and exchange.
 pub fn config(outbox: &Outbox, broker: &Broker, tenants: &[&str]) -> Config {
     let mut config = Config::with_tenants(tenants.iter().copied());
-    config.database_url = DATABASE_URL.into();
-    config.amqp_url = AMQP_URL.into();
+    config.database_url = DATABASE_URL.parse().expect("database url");
+    config.amqp_url = AMQP_URL.parse().expect("amqp url");
     config.schema = outbox.schema.clone();
     config.table = outbox.table.clone();
     config.exchange = broker.exchange.clone();

@@ -1,0 +1,157 @@
+//! The words every layer shares: the outbox row, why a row did not go out, and
+//! how a sweep ended. This module imports nothing of the relay's, so the store,
+//! the publisher, the envelope, the scheduler and the metrics may all speak it.
+
+use std::time::SystemTime;
+
+use time::OffsetDateTime;
+
+/// One pending outbox row, as the relay publishes it.
+#[derive(Debug, Clone)]
+pub struct OutboxRow {
+    pub id: i64,
+    pub kind: String,
+    pub subject_id: String,
+    /// `None` is a tombstone.
+    pub payload: Option<String>,
+    pub headers: Option<serde_json::Value>,
+    pub occurred_at: OffsetDateTime,
+}
+
+/// Why a row did not go out: the `reason` of `outbox_publish_failures_total`
+/// and the prefix of `last_error`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureReason {
+    /// The broker nacked the message.
+    Nack,
+    /// No queue was bound for its routing key (a `mandatory` return).
+    Unroutable,
+    /// No confirm arrived within `confirm_timeout_ms`.
+    Timeout,
+    /// The connection or channel failed while the row was in flight.
+    Connection,
+    /// The payload is over `max_payload_bytes`.
+    TooLarge,
+    Other,
+}
+
+impl FailureReason {
+    pub const ALL: [FailureReason; 6] = [
+        FailureReason::Nack,
+        FailureReason::Unroutable,
+        FailureReason::Timeout,
+        FailureReason::Connection,
+        FailureReason::TooLarge,
+        FailureReason::Other,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureReason::Nack => "nack",
+            FailureReason::Unroutable => "unroutable",
+            FailureReason::Timeout => "timeout",
+            FailureReason::Connection => "connection",
+            FailureReason::TooLarge => "too_large",
+            FailureReason::Other => "other",
+        }
+    }
+
+    /// Whether a refusal for this reason is the row's own doing and counts in
+    /// its `attempts`. A lost connection is not the row's fault.
+    pub fn counts_as_attempt(self) -> bool {
+        self != FailureReason::Connection
+    }
+}
+
+/// Why one row was not published. The detail is safe to log and to store in
+/// `last_error`: it never contains the payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub reason: FailureReason,
+    pub detail: String,
+}
+
+impl Refusal {
+    pub fn new(reason: FailureReason, detail: impl Into<String>) -> Refusal {
+        Refusal {
+            reason,
+            detail: detail.into(),
+        }
+    }
+
+    /// The text stored in `last_error`: `<reason>: <detail>`.
+    pub fn last_error(&self) -> String {
+        format!("{}: {}", self.reason.as_str(), self.detail)
+    }
+}
+
+/// How a sweep of one tenant ended, which decides when it is swept next; the
+/// `outcome` label of the sweep metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// A full batch went out: sweep again at once.
+    Published,
+    /// Fewer rows than a batch (maybe none): wait for the poll.
+    Idle,
+    /// Another relay holds the tenant: wait for the poll.
+    Skipped,
+    /// Nothing, or only a prefix, went out: back off.
+    Failed,
+}
+
+impl Outcome {
+    pub const ALL: [Outcome; 4] = [
+        Outcome::Published,
+        Outcome::Idle,
+        Outcome::Skipped,
+        Outcome::Failed,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Published => "published",
+            Outcome::Idle => "idle",
+            Outcome::Skipped => "skipped",
+            Outcome::Failed => "failed",
+        }
+    }
+}
+
+/// What became of a published batch: how many rows from the start the broker
+/// confirmed, when, and the first row that did not go out.
+#[derive(Debug, Default)]
+pub struct BatchReport {
+    /// Confirm times of the confirmed prefix, one per row.
+    pub confirmed_at: Vec<SystemTime>,
+    /// The first row refused (its index in the batch), and why.
+    pub refusal: Option<(usize, Refusal)>,
+}
+
+impl BatchReport {
+    /// A batch of which nothing went out, because of its first row or of
+    /// something that concerns the whole batch (no connection, no channel).
+    pub fn refused(refusal: Refusal) -> BatchReport {
+        BatchReport {
+            confirmed_at: Vec::new(),
+            refusal: Some((0, refusal)),
+        }
+    }
+
+    /// Rows confirmed from the start of the batch.
+    pub fn confirmed(&self) -> usize {
+        self.confirmed_at.len()
+    }
+
+    /// Records a refusal at `index`; the earliest one is kept.
+    pub fn refuse(&mut self, index: usize, refusal: Refusal) {
+        if self.refusal.as_ref().is_none_or(|(at, _)| index < *at) {
+            self.refusal = Some((index, refusal));
+        }
+    }
+}
+
+/// A tenant's claim, as the publisher sees it: once it is no longer held,
+/// another relay may be publishing the same rows, so no more are sent.
+pub trait Lease: Sync {
+    fn is_held(&self) -> bool;
+}

@@ -1,0 +1,514 @@
+//! The scheduler: which tenant is swept when. A sweep's outcome decides its
+//! tenant's next turn:
+//!
+//! - `published` (a full batch): at once, behind the other ready tenants;
+//! - `idle`, `skipped`: when the poll next finds rows pending for it;
+//! - `failed`: after its own back-off, while every other tenant goes on.
+//!
+//! One poll statement per `poll_ms` finds the tenants with pending rows (and
+//! their lag, the one source of the lag gauge), so an idle relay costs the
+//! same whatever the number of tenants. At most `concurrency` sweeps run at
+//! once; none starts while the broker is down.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::task::{Id, JoinSet};
+use tokio::time::Instant;
+
+use crate::backoff::Backoff;
+use crate::domain::Outcome;
+use crate::relay::{Relay, SweepFailure, SweepOutcome};
+use crate::shutdown::Shutdown;
+use crate::store::StoreError;
+
+/// Where a tenant is in the schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Nothing known to be pending; the poll wakes it.
+    Idle,
+    /// Waiting in the ready queue.
+    Ready,
+    /// A sweep is running.
+    Running,
+    /// Failed; ready again at this instant.
+    Backoff(Instant),
+}
+
+/// The pure part of scheduling: tenant states, the ready queue, back-off.
+#[derive(Debug)]
+pub struct Schedule {
+    names: Vec<Arc<str>>,
+    states: Vec<State>,
+    failures: Vec<u32>,
+    ready: VecDeque<usize>,
+    index: HashMap<Arc<str>, usize>,
+    backoff: Backoff,
+}
+
+impl Schedule {
+    pub fn new(tenants: &[String], backoff: Backoff) -> Schedule {
+        let names: Vec<Arc<str>> = tenants.iter().map(|t| Arc::from(t.as_str())).collect();
+        let index = names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.clone(), i))
+            .collect();
+        Schedule {
+            states: vec![State::Idle; names.len()],
+            failures: vec![0; names.len()],
+            ready: VecDeque::new(),
+            names,
+            index,
+            backoff,
+        }
+    }
+
+    pub fn name(&self, tenant: usize) -> &Arc<str> {
+        &self.names[tenant]
+    }
+
+    /// The poll found rows pending for these tenants. They join the ready
+    /// queue starting at `offset` in the poll's order (and wrapping), so
+    /// replicas that see the same list do not all reach for the same tenant first.
+    pub fn pending<'a>(&mut self, tenants: impl IntoIterator<Item = &'a str>, offset: usize) {
+        let tenants: Vec<&str> = tenants.into_iter().collect();
+        let start = if tenants.is_empty() {
+            0
+        } else {
+            offset % tenants.len()
+        };
+        for name in tenants[start..].iter().chain(&tenants[..start]).copied() {
+            if let Some(&i) = self.index.get(name)
+                && self.states[i] == State::Idle
+            {
+                self.states[i] = State::Ready;
+                self.ready.push_back(i);
+            }
+        }
+    }
+
+    /// Moves tenants whose back-off has passed to the ready queue; returns them.
+    pub fn wake(&mut self, now: Instant) -> Vec<usize> {
+        let mut woken = Vec::new();
+        for i in 0..self.states.len() {
+            if let State::Backoff(until) = self.states[i]
+                && until <= now
+            {
+                self.states[i] = State::Ready;
+                self.ready.push_back(i);
+                woken.push(i);
+            }
+        }
+        woken
+    }
+
+    /// The next tenant to sweep, marked running.
+    pub fn next_ready(&mut self) -> Option<usize> {
+        let i = self.ready.pop_front()?;
+        self.states[i] = State::Running;
+        Some(i)
+    }
+
+    /// Records a sweep's outcome. Returns the back-off now in force (zero if none).
+    pub fn finished(&mut self, tenant: usize, outcome: Outcome, now: Instant) -> Duration {
+        match outcome {
+            Outcome::Published => {
+                self.failures[tenant] = 0;
+                self.states[tenant] = State::Ready;
+                self.ready.push_back(tenant);
+                Duration::ZERO
+            }
+            Outcome::Idle | Outcome::Skipped => {
+                if outcome == Outcome::Idle {
+                    self.failures[tenant] = 0;
+                }
+                self.states[tenant] = State::Idle;
+                Duration::ZERO
+            }
+            Outcome::Failed => {
+                self.failures[tenant] = self.failures[tenant].saturating_add(1);
+                let delay = self.backoff.delay(self.failures[tenant]);
+                self.states[tenant] = State::Backoff(now + delay);
+                delay
+            }
+        }
+    }
+
+    /// The earliest instant a backing-off tenant becomes ready.
+    pub fn next_wake(&self) -> Option<Instant> {
+        self.states
+            .iter()
+            .filter_map(|s| match s {
+                State::Backoff(until) => Some(*until),
+                _ => None,
+            })
+            .min()
+    }
+
+    /// Whether `tenant` is one of the configured tenants.
+    pub fn knows(&self, tenant: &str) -> bool {
+        self.index.contains_key(tenant)
+    }
+
+    pub fn has_ready(&self) -> bool {
+        !self.ready.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.names.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.names.is_empty()
+    }
+}
+
+/// How many distinct unconfigured tenants are warned about (once each).
+const UNCONFIGURED_WARNINGS: usize = 100;
+
+/// The poll statement in flight: tenants with pending rows and their lag.
+type Poll = Pin<Box<dyn Future<Output = Result<Vec<(String, i64)>, StoreError>> + Send>>;
+
+/// Runs the scheduler until `shutdown` fires, then drains running sweeps
+/// within `shutdown_grace_ms`.
+pub async fn run(relay: Arc<Relay>, shutdown: Shutdown) {
+    let mut scheduler = Scheduler::new(relay);
+    let mut broker = scheduler.relay.publisher.watch_connected();
+    let stop = shutdown.fired();
+    tokio::pin!(stop);
+    loop {
+        scheduler.relay.beat();
+        let wake_at = scheduler.turn(Instant::now());
+        tokio::select! {
+            () = &mut stop => break,
+            Some(joined) = scheduler.sweeps.join_next_with_id() => scheduler.sweep_done(joined),
+            result = async { scheduler.poll.as_mut().expect("guarded by the branch condition").await }, if scheduler.poll.is_some() => {
+                scheduler.poll = None;
+                scheduler.polled(result);
+            }
+            _ = broker.changed() => {}
+            () = tokio::time::sleep_until(wake_at) => {}
+        }
+    }
+    scheduler.drain().await;
+}
+
+/// The scheduler loop's state: the schedule, the running sweeps and the poll.
+struct Scheduler {
+    relay: Arc<Relay>,
+    schedule: Schedule,
+    sweeps: JoinSet<SweepOutcome>,
+    running: HashMap<Id, usize>,
+    poll: Option<Poll>,
+    next_poll: Instant,
+    /// What the last poll said of the database, once there was one.
+    database_up: Option<bool>,
+    /// Unconfigured tenants already warned about.
+    unconfigured: HashSet<String>,
+}
+
+impl Scheduler {
+    fn new(relay: Arc<Relay>) -> Scheduler {
+        let config = &relay.config;
+        let backoff = Backoff::new(
+            config.poll_interval(),
+            Duration::from_millis(config.max_backoff_ms),
+        );
+        Scheduler {
+            schedule: Schedule::new(&config.tenants, backoff),
+            relay,
+            sweeps: JoinSet::new(),
+            running: HashMap::new(),
+            poll: None,
+            next_poll: Instant::now(),
+            database_up: None,
+            unconfigured: HashSet::new(),
+        }
+    }
+
+    /// Starts what is due: the poll, tenants whose back-off is over, sweeps
+    /// up to `concurrency`. Returns when the loop must look again at the latest.
+    fn turn(&mut self, now: Instant) -> Instant {
+        let poll_interval = self.relay.config.poll_interval();
+        if self.poll.is_none() && now >= self.next_poll {
+            let relay = self.relay.clone();
+            self.poll = Some(Box::pin(async move { relay.store.pending_tenants().await }));
+            self.next_poll = now + poll_interval;
+        }
+        for woken in self.schedule.wake(now) {
+            self.relay
+                .metrics
+                .set_backoff(self.schedule.name(woken), Duration::ZERO);
+        }
+        if self.relay.publisher.is_ready() {
+            while self.sweeps.len() < self.relay.config.concurrency {
+                let Some(tenant) = self.schedule.next_ready() else {
+                    break;
+                };
+                let name = self.schedule.name(tenant).clone();
+                let relay = self.relay.clone();
+                let handle = self.sweeps.spawn(async move { relay.sweep(&name).await });
+                self.running.insert(handle.id(), tenant);
+            }
+        }
+        // While a poll runs, its answer wakes the loop; the next one is not due before.
+        let poll_due = self.poll.is_none().then_some(self.next_poll);
+        [self.schedule.next_wake(), poll_due]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(now + poll_interval)
+    }
+
+    /// A sweep's task ended: log it, and schedule its tenant's next turn.
+    fn sweep_done(&mut self, joined: Result<(Id, SweepOutcome), tokio::task::JoinError>) {
+        let (id, outcome) = match joined {
+            Ok(joined) => joined,
+            Err(error) => (
+                error.id(),
+                SweepOutcome::Failed(SweepFailure::Aborted(error.to_string())),
+            ),
+        };
+        let Some(tenant) = self.running.remove(&id) else {
+            return;
+        };
+        let name = self.schedule.name(tenant).clone();
+        report(&name, &outcome);
+        let delay = self
+            .schedule
+            .finished(tenant, outcome.kind(), Instant::now());
+        self.relay.metrics.set_backoff(&name, delay);
+    }
+
+    /// The poll answered: the database is up or down, each tenant's lag, and
+    /// the tenants with rows pending join the ready queue.
+    fn polled(&mut self, result: Result<Vec<(String, i64)>, StoreError>) {
+        let pending = match result {
+            Ok(pending) => pending,
+            Err(error) => {
+                if self.database_up != Some(false) {
+                    tracing::warn!(%error, "database unreachable; retrying every poll interval");
+                }
+                self.database_is(false);
+                return;
+            }
+        };
+        if self.database_up != Some(true) {
+            tracing::info!("database reachable");
+        }
+        self.database_is(true);
+        let lags: HashMap<&str, i64> = pending.iter().map(|(t, lag)| (t.as_str(), *lag)).collect();
+        for tenant in &self.relay.config.tenants {
+            let lag = lags.get(tenant.as_str()).copied().unwrap_or(0);
+            self.relay.metrics.set_lag(tenant, lag);
+        }
+        for (tenant, _) in &pending {
+            if !self.schedule.knows(tenant)
+                && self.unconfigured.len() < UNCONFIGURED_WARNINGS
+                && self.unconfigured.insert(tenant.clone())
+            {
+                tracing::warn!(
+                    tenant = %tenant,
+                    "rows are pending for a tenant this relay is not configured for; they stay pending until a relay lists it in `tenants`"
+                );
+            }
+        }
+        self.schedule
+            .pending(pending.iter().map(|(t, _)| t.as_str()), random_offset());
+    }
+
+    fn database_is(&mut self, up: bool) {
+        self.database_up = Some(up);
+        self.relay.metrics.set_database_up(up);
+    }
+
+    /// Lets running sweeps finish within the grace period, then abandons them
+    /// (their transactions roll back; their rows stay pending).
+    async fn drain(mut self) {
+        if self.sweeps.is_empty() {
+            return;
+        }
+        let grace = self.relay.config.shutdown_grace();
+        tracing::info!(
+            sweeps = self.sweeps.len(),
+            grace_ms = grace.as_millis() as u64,
+            "draining running sweeps"
+        );
+        let finished = tokio::time::timeout(grace, async {
+            while let Some(joined) = self.sweeps.join_next_with_id().await {
+                if let Ok((id, outcome)) = joined
+                    && let Some(tenant) = self.running.remove(&id)
+                {
+                    report(self.schedule.name(tenant), &outcome);
+                }
+            }
+        })
+        .await;
+        if finished.is_err() {
+            tracing::warn!(
+                abandoned = self.sweeps.len(),
+                "grace period over; abandoning sweeps (their rows stay pending)"
+            );
+            self.sweeps.abort_all();
+            while self.sweeps.join_next().await.is_some() {}
+        }
+    }
+}
+
+/// A random number, fresh each call (no state, no extra dependency).
+fn random_offset() -> usize {
+    use std::hash::{BuildHasher, Hasher};
+    // Every RandomState is freshly keyed, so an empty hash is already random.
+    let random = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    usize::try_from(random % (usize::MAX as u64)).unwrap_or(0)
+}
+
+/// Logs a sweep's outcome: every failure once, with tenant and reason.
+fn report(tenant: &str, outcome: &SweepOutcome) {
+    match outcome {
+        SweepOutcome::Published { rows } => tracing::debug!(tenant, rows, "published a full batch"),
+        SweepOutcome::Idle { rows } => tracing::debug!(tenant, rows, "swept"),
+        SweepOutcome::Skipped => tracing::debug!(tenant, "held by another relay; skipped"),
+        SweepOutcome::Failed(SweepFailure::Refused {
+            id,
+            published,
+            refusal,
+        }) => tracing::warn!(
+            tenant,
+            row = id,
+            published,
+            reason = refusal.reason.as_str(),
+            error = %refusal.detail,
+            "sweep failed: row refused"
+        ),
+        SweepOutcome::Failed(SweepFailure::Aborted(error)) => {
+            tracing::error!(tenant, reason = "aborted", %error, "sweep failed")
+        }
+        SweepOutcome::Failed(SweepFailure::Store(error)) => {
+            tracing::warn!(tenant, reason = "database", %error, "sweep failed")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tenants(n: usize) -> Schedule {
+        let tenants: Vec<String> = (0..n).map(|i| format!("t{i}")).collect();
+        Schedule::new(
+            &tenants,
+            Backoff::new(Duration::from_millis(100), Duration::from_millis(1000)),
+        )
+    }
+
+    #[test]
+    fn pending_tenants_become_ready_once_in_poll_order() {
+        let mut s = tenants(3);
+        s.pending(["t2", "t0", "t2", "unknown"], 0);
+        assert_eq!(s.next_ready(), Some(2));
+        assert_eq!(s.next_ready(), Some(0));
+        assert_eq!(s.next_ready(), None);
+        // Running tenants are not queued again by a poll.
+        s.pending(["t2"], 0);
+        assert_eq!(s.next_ready(), None);
+    }
+
+    #[test]
+    fn a_full_batch_goes_to_the_back_of_the_queue() {
+        let mut s = tenants(3);
+        let now = Instant::now();
+        s.pending(["t0", "t1", "t2"], 0);
+        let first = s.next_ready().unwrap();
+        assert_eq!(s.finished(first, Outcome::Published, now), Duration::ZERO);
+        assert_eq!(s.next_ready(), Some(1));
+        assert_eq!(s.next_ready(), Some(2));
+        assert_eq!(
+            s.next_ready(),
+            Some(0),
+            "the busy tenant waits its turn, no one starves"
+        );
+    }
+
+    #[test]
+    fn a_failing_tenant_backs_off_alone_and_doubles() {
+        let mut s = tenants(2);
+        let now = Instant::now();
+        s.pending(["t0", "t1"], 0);
+        let t0 = s.next_ready().unwrap();
+        assert_eq!(
+            s.finished(t0, Outcome::Failed, now),
+            Duration::from_millis(200)
+        );
+        assert_eq!(s.next_ready(), Some(1), "the other tenant is not held up");
+        s.finished(1, Outcome::Idle, now);
+        s.pending(["t0"], 0);
+        assert_eq!(
+            s.next_ready(),
+            None,
+            "a backing-off tenant ignores the poll"
+        );
+        assert_eq!(s.next_wake(), Some(now + Duration::from_millis(200)));
+        s.wake(now + Duration::from_millis(199));
+        assert!(!s.has_ready());
+        s.wake(now + Duration::from_millis(200));
+        assert_eq!(s.next_ready(), Some(0));
+        assert_eq!(
+            s.finished(0, Outcome::Failed, now),
+            Duration::from_millis(400)
+        );
+        s.wake(now + Duration::from_secs(1));
+        s.next_ready();
+        assert_eq!(
+            s.finished(0, Outcome::Failed, now),
+            Duration::from_millis(800)
+        );
+        s.wake(now + Duration::from_secs(1));
+        s.next_ready();
+        assert_eq!(
+            s.finished(0, Outcome::Failed, now),
+            Duration::from_millis(1000),
+            "capped"
+        );
+        s.wake(now + Duration::from_secs(2));
+        s.next_ready();
+        assert_eq!(
+            s.finished(0, Outcome::Published, now),
+            Duration::ZERO,
+            "reset on success"
+        );
+        s.next_ready();
+        assert_eq!(
+            s.finished(0, Outcome::Failed, now),
+            Duration::from_millis(200)
+        );
+    }
+
+    #[test]
+    fn replicas_start_at_different_tenants() {
+        let mut s = tenants(4);
+        s.pending(["t0", "t1", "t2", "t3"], 6);
+        let order: Vec<usize> = std::iter::from_fn(|| s.next_ready()).collect();
+        assert_eq!(
+            order,
+            [2, 3, 0, 1],
+            "rotated by the offset, every tenant once"
+        );
+    }
+
+    #[test]
+    fn skipped_tenants_wait_for_the_next_poll() {
+        let mut s = tenants(1);
+        s.pending(["t0"], 0);
+        let t = s.next_ready().unwrap();
+        s.finished(t, Outcome::Skipped, Instant::now());
+        assert!(!s.has_ready());
+        s.pending(["t0"], 0);
+        assert_eq!(s.next_ready(), Some(0));
+    }
+}
