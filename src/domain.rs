@@ -30,18 +30,25 @@ pub enum FailureReason {
     Timeout,
     /// The connection or channel failed while the row was in flight.
     Connection,
-    /// The payload is over `max_payload_bytes`.
+    /// The payload is over `max_payload_bytes`, or over what the broker
+    /// takes.
     TooLarge,
+    /// The row holds something the broker would reject or the relay cannot
+    /// decode (a reserved header, a name or value too long for its field, a
+    /// timestamp no message can carry): refused before it is sent.
+    Invalid,
+    /// The relay's own trouble (e.g. its confirm collector stopped).
     Other,
 }
 
 impl FailureReason {
-    pub const ALL: [FailureReason; 6] = [
+    pub const ALL: [FailureReason; 7] = [
         FailureReason::Nack,
         FailureReason::Unroutable,
         FailureReason::Timeout,
         FailureReason::Connection,
         FailureReason::TooLarge,
+        FailureReason::Invalid,
         FailureReason::Other,
     ];
 
@@ -52,14 +59,23 @@ impl FailureReason {
             FailureReason::Timeout => "timeout",
             FailureReason::Connection => "connection",
             FailureReason::TooLarge => "too_large",
+            FailureReason::Invalid => "invalid",
             FailureReason::Other => "other",
         }
     }
 
-    /// Whether a refusal for this reason is the row's own doing and counts in
-    /// its `attempts`. A lost connection is not the row's fault.
+    /// Whether a refusal for this reason is the message's own and counts in
+    /// its row's `attempts`. A timeout, a lost connection or the relay's own
+    /// trouble is not the row's doing: it is recorded in `last_error` of the
+    /// row it stopped at, never counted.
     pub fn counts_as_attempt(self) -> bool {
-        self != FailureReason::Connection
+        matches!(
+            self,
+            FailureReason::Nack
+                | FailureReason::Unroutable
+                | FailureReason::TooLarge
+                | FailureReason::Invalid
+        )
     }
 }
 
