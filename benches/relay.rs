@@ -14,7 +14,10 @@
 //!    per message beside the broker alone's, which drifts much less;
 //! 3. steady — a writer at a fixed rate; delay from `occurred_at` to receipt;
 //! 4. idle — 1,000 tenants, no rows: transactions per poll, CPU, peak RSS;
-//! 5. drain with 4 KiB payloads.
+//! 5. drain with 4 KiB payloads;
+//! 6. memory — peak RSS of one relay (defaults) relaying one 100 MiB row
+//!    (refused as `too_large`), six 15 MiB rows, and 2,048 rows of 64 KiB
+//!    over 4 tenants: the byte budget (`max_bytes_in_flight`) at work.
 //!
 //! Knobs (environment): BENCH_ROWS (100000), BENCH_RUNS (3), BENCH_RATE
 //! (1000 rows/s), BENCH_STEADY_SECS (20), BENCH_IDLE_SECS (10), BENCH_ONLY
@@ -185,6 +188,19 @@ impl Table {
     async fn pending(&self) -> i64 {
         let sql = format!(
             "SELECT count(*) FROM {} WHERE published_at IS NULL",
+            self.qualified()
+        );
+        self.client
+            .query_one(&sql, &[])
+            .await
+            .expect("count")
+            .get(0)
+    }
+
+    /// Rows refused at least once (e.g. `too_large`), still pending.
+    async fn refused(&self) -> i64 {
+        let sql = format!(
+            "SELECT count(*) FROM {} WHERE published_at IS NULL AND attempts > 0",
             self.qualified()
         );
         self.client
@@ -702,7 +718,11 @@ async fn database_ceiling(rows: u64, size: usize, batch_size: u64) -> f64 {
     let started = Instant::now();
     let mut done = 0u64;
     loop {
-        let claim = store.claim(&names[0]).await.expect("claim").expect("taken");
+        let claim = store
+            .claim(&names[0], config.max_bytes_in_flight)
+            .await
+            .expect("claim")
+            .expect("taken");
         let ids: Vec<i64> = claim.rows().iter().map(|r| r.id).collect();
         if ids.is_empty() {
             claim.rollback().await.expect("rollback");
@@ -888,6 +908,40 @@ async fn idle(duration: Duration, poll_ms: u64) -> (f64, f64, f64) {
     exchange.delete().await;
     table.drop().await;
     ((long_tx - short_tx) / polls, long_cpu - short_cpu, rss)
+}
+
+/// The relay's default `max_payload_bytes`.
+const DEFAULT_MAX_PAYLOAD_BYTES: usize = 16 << 20;
+
+/// Peak RSS (MiB) of one relay with the default configuration relaying
+/// `rows` rows of `size` bytes spread over `tenant_count` tenants: those within
+/// `max_payload_bytes` until they have arrived, larger ones until refused.
+async fn memory_peak(tenant_count: usize, rows: u64, size: usize) -> f64 {
+    let table = Table::create().await;
+    let exchange = Exchange::create(false).await;
+    let names = tenants(tenant_count);
+    table.fill(&names, rows, size).await;
+    let relay = RelayProcess::spawn(&table, &exchange, &names);
+    if size <= DEFAULT_MAX_PAYLOAD_BYTES {
+        let arrived = exchange
+            .wait_for(rows as usize, Duration::from_secs(600))
+            .await;
+        assert!(arrived, "memory: {} of {rows} arrived", exchange.count());
+    } else {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while table.refused().await < rows as i64 {
+            assert!(
+                Instant::now() < deadline,
+                "memory: the large rows were not refused"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let peak = relay.peak_rss_mib();
+    relay.stop();
+    exchange.delete().await;
+    table.drop().await;
+    peak
 }
 
 fn median(values: &mut [f64]) -> f64 {
@@ -1123,6 +1177,28 @@ async fn main() {
                 &Figure { runs: values },
                 Some(("(poll_ms + 20 ms)", target)),
             );
+        }
+    }
+    if knobs.wants("memory") {
+        // The manifests give the relay 128 MiB.
+        let limit = Some(("the manifests' 128 MiB", 128.0));
+        for (name, tenants, rows, size) in [
+            (
+                "memory: one 100 MiB row (refused): peak RSS",
+                1,
+                1,
+                100 << 20,
+            ),
+            ("memory: six 15 MiB rows: peak RSS", 1, 6, 15 << 20),
+            (
+                "memory: 64 KiB rows, 4 tenants x 512: peak RSS",
+                4,
+                2048,
+                64 << 10,
+            ),
+        ] {
+            let f = repeat(runs, || memory_peak(tenants, rows, size)).await;
+            report.add(name, "MiB", &f, limit);
         }
     }
     if knobs.wants("idle") {

@@ -78,13 +78,17 @@ keys! {
     /// Declare the exchange (durable) on connect
     declare_exchange: bool ["BOOL"] = true, Flag;
     /// Routing key template: {tenant}, {kind}, {subject}
-    routing_key: RoutingKey ["TEMPLATE"] = default_routing_key(), parsed();
+    routing_key: RoutingKey ["TEMPLATE"] = default_routing_key(), parsed(),
+        check |key: &RoutingKey| every_tenant_fits(key, &tenants);
     /// content_type of every message
     content_type: String ["TYPE"] = "application/json".to_string(), short_text();
     /// A confirm not seen in this long is a refusal, ms
     confirm_timeout_ms: u64 ["MS"] = 10_000, int(1, NO_MAX);
     /// Larger payloads are refused as too_large
     max_payload_bytes: usize ["BYTES"] = 16_777_216, int(1, i64::from(u32::MAX));
+    /// Relay-wide budget of row bytes read and in flight (≥ 2 × max_payload_bytes + 2 MiB)
+    max_bytes_in_flight: usize ["BYTES"] = 64 << 20, int(1, NO_MAX),
+        check |n: &usize| holds_one_row(*n, max_payload_bytes);
     /// Address of the HTTP endpoints
     http_addr: SocketAddr ["ADDR"] = SocketAddr::from(([0, 0, 0, 0], 9780)), Parse(socket_addr);
     /// How long running sweeps may finish after SIGTERM, ms
@@ -113,11 +117,36 @@ fn at_most(n: usize, other: &str, limit: usize) -> Result<(), String> {
     Ok(())
 }
 
+fn holds_one_row(budget: usize, max_payload_bytes: usize) -> Result<(), String> {
+    let least = crate::budget::least_for(max_payload_bytes);
+    if budget < least {
+        return Err(format!(
+            "must hold one row of max_payload_bytes ({max_payload_bytes}): at least 2 × max_payload_bytes + 2 MiB ({least})"
+        ));
+    }
+    Ok(())
+}
+
 fn above_concurrency(n: usize, concurrency: usize) -> Result<(), String> {
     if n <= concurrency {
         return Err(format!(
             "must be greater than concurrency ({concurrency}): sweeps hold one connection each and the poll and /healthz need one more"
         ));
+    }
+    Ok(())
+}
+
+/// A tenant whose routing keys are over AMQP's 255 bytes even with an empty
+/// kind and subject could never publish a row.
+fn every_tenant_fits(key: &RoutingKey, tenants: &[String]) -> Result<(), String> {
+    for tenant in tenants {
+        let shortest = key.render(tenant, "", "").len();
+        if shortest > 255 {
+            let shown: String = tenant.chars().take(64).collect();
+            return Err(format!(
+                "makes every routing key of tenant {shown:?} at least {shortest} bytes; AMQP allows 255"
+            ));
+        }
     }
     Ok(())
 }
@@ -695,6 +724,59 @@ mod tests {
             "{dup}"
         );
         assert!(error(Some("tenants = []"), &[]).contains("at least one tenant"));
+    }
+
+    #[test]
+    fn tenant_names_that_could_never_be_published_are_refused() {
+        let control = error(None, &[("OUTBOX_TENANTS", "a,b\nforged")]);
+        assert!(control.contains("control character"), "{control}");
+        let nul = error(Some("tenants = [\"a\\u0000b\"]"), &[]);
+        assert!(nul.contains("control character"), "{nul}");
+        let long = "t".repeat(260);
+        let key = error(None, &[("OUTBOX_TENANTS", long.as_str())]);
+        assert!(
+            key.starts_with(
+                "routing_key = \"{tenant}.{kind}\" (built-in default): makes every routing key"
+            ),
+            "{key}"
+        );
+        let fits = load(
+            None,
+            &[
+                ("OUTBOX_TENANTS", long.as_str()),
+                ("OUTBOX_ROUTING_KEY", "{kind}"),
+            ],
+            &[],
+        );
+        assert!(fits.is_ok(), "a template without {{tenant}} fits");
+        let huge = "t".repeat(70_000);
+        let header = error(
+            None,
+            &[
+                ("OUTBOX_TENANTS", huge.as_str()),
+                ("OUTBOX_ROUTING_KEY", "{kind}"),
+            ],
+        );
+        assert!(header.contains("could never fit an AMQP frame"), "{header}");
+    }
+
+    #[test]
+    fn the_byte_budget_holds_one_row_of_the_largest_payload() {
+        let e = error(
+            None,
+            &[
+                ("OUTBOX_TENANTS", "a"),
+                ("OUTBOX_MAX_PAYLOAD_BYTES", "1048576"),
+                ("OUTBOX_MAX_BYTES_IN_FLIGHT", "3000000"),
+            ],
+        );
+        assert!(
+            e.starts_with("max_bytes_in_flight = 3000000 (environment variable OUTBOX_MAX_BYTES_IN_FLIGHT): must hold one row"),
+            "{e}"
+        );
+        let c = load(None, &[("OUTBOX_TENANTS", "a")], &[]).unwrap().config;
+        assert_eq!(c.max_bytes_in_flight, 64 << 20);
+        assert!(c.max_bytes_in_flight >= crate::budget::least_for(c.max_payload_bytes));
     }
 
     #[test]

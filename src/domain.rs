@@ -4,6 +4,7 @@
 
 use std::time::SystemTime;
 
+use bytes::Bytes;
 use time::OffsetDateTime;
 
 /// One pending outbox row, as the relay publishes it.
@@ -12,10 +13,33 @@ pub struct OutboxRow {
     pub id: i64,
     pub kind: String,
     pub subject_id: String,
-    /// `None` is a tombstone.
-    pub payload: Option<String>,
+    pub payload: Payload,
     pub headers: Option<serde_json::Value>,
     pub occurred_at: OffsetDateTime,
+    /// Why the row as stored cannot become a message (a value the relay
+    /// could not read or that no message can carry); such a row is refused
+    /// as `invalid` without being sent, and the fields above hold
+    /// placeholders where it could not be read.
+    pub defect: Option<String>,
+    /// What the row holds of the relay's byte budget while it is in flight
+    /// (`max_bytes_in_flight`): its payload twice (the relay's copy and the
+    /// AMQP client's frames), its other fields, and a fixed overhead.
+    pub cost: usize,
+}
+
+/// A row's payload as read: the bytes of its body, or why there are none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Payload {
+    /// Sent as the message body (shared, never copied by the relay).
+    Body(Bytes),
+    /// A NULL payload: sent with an empty body and `outbox-tombstone: true`.
+    Tombstone,
+    /// Over `max_payload_bytes`: left in the database, never read whole;
+    /// the row is refused as `too_large`.
+    TooLarge { bytes: u64 },
+    /// Within `max_payload_bytes` but over what the sweep had of the byte
+    /// budget: read separately once the budget allows.
+    OverBudget { bytes: u64 },
 }
 
 /// Why a row did not go out: the `reason` of `outbox_publish_failures_total`

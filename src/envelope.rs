@@ -2,11 +2,12 @@
 //! exactly as the table in `docs/design.md` says. Pure, so every field is unit-tested; a
 //! row that cannot be expressed in AMQP is a [`Refusal`], never a panic.
 
+use bytes::Bytes;
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use time::format_description::well_known::Rfc3339;
 
-use crate::domain::{FailureReason, OutboxRow, Refusal};
+use crate::domain::{FailureReason, OutboxRow, Payload, Refusal};
 use crate::template::RoutingKey;
 
 /// The relay's `app_id`.
@@ -32,25 +33,41 @@ pub struct Envelope {
 
 /// One message ready for `basic_publish`.
 #[derive(Debug)]
-pub struct Message<'a> {
+pub struct Message {
     pub routing_key: ShortString,
     pub properties: BasicProperties,
-    pub body: &'a [u8],
+    /// The row's payload itself, shared: the relay never copies a body.
+    pub body: Bytes,
 }
 
 impl Envelope {
     /// The message for `row` of `tenant`.
-    pub fn message<'a>(&self, tenant: &str, row: &'a OutboxRow) -> Result<Message<'a>, Refusal> {
-        let body = row.payload.as_deref().unwrap_or_default().as_bytes();
-        if body.len() > self.max_payload_bytes {
-            return Err(Refusal::new(
+    pub fn message(&self, tenant: &str, row: &OutboxRow) -> Result<Message, Refusal> {
+        let too_large = |bytes: u64| {
+            Refusal::new(
                 FailureReason::TooLarge,
                 format!(
-                    "payload is {} bytes, over max_payload_bytes ({})",
-                    body.len(),
+                    "payload is {bytes} bytes, over max_payload_bytes ({})",
                     self.max_payload_bytes
                 ),
-            ));
+            )
+        };
+        let body = match &row.payload {
+            Payload::Body(body) if body.len() > self.max_payload_bytes => {
+                return Err(too_large(body.len() as u64));
+            }
+            Payload::Body(body) => body.clone(),
+            Payload::Tombstone => Bytes::new(),
+            Payload::TooLarge { bytes } => return Err(too_large(*bytes)),
+            Payload::OverBudget { bytes } => {
+                return Err(Refusal::new(
+                    FailureReason::Other,
+                    format!("the payload ({bytes} bytes) was not read"),
+                ));
+            }
+        };
+        if let Some(defect) = &row.defect {
+            return Err(Refusal::new(FailureReason::Invalid, defect.clone()));
         }
         let key = self.routing_key.render(tenant, &row.kind, &row.subject_id);
         let routing_key = short(key, "routing key")?;
@@ -71,7 +88,7 @@ impl Envelope {
         headers.insert("outbox-tenant-id".into(), long_string(tenant));
         headers.insert("outbox-subject-id".into(), long_string(&row.subject_id));
         headers.insert("outbox-occurred-at".into(), long_string(&occurred_at));
-        if row.payload.is_none() {
+        if row.payload == Payload::Tombstone {
             headers.insert("outbox-tombstone".into(), AMQPValue::Boolean(true));
         }
         if let Some(extra) = &row.headers {
@@ -188,13 +205,17 @@ mod tests {
             id: 9_007_199_254_740_993,
             kind: "order.created".into(),
             subject_id: "o-17".into(),
-            payload: payload.map(str::to_string),
+            payload: payload.map_or(Payload::Tombstone, |p| {
+                Payload::Body(Bytes::copy_from_slice(p.as_bytes()))
+            }),
+            defect: None,
+            cost: 0,
             headers,
             occurred_at: datetime!(2026-11-30 09:15:01.25 +01:00),
         }
     }
 
-    fn header<'a>(m: &'a Message<'_>, name: &str) -> Option<&'a AMQPValue> {
+    fn header<'a>(m: &'a Message, name: &str) -> Option<&'a AMQPValue> {
         m.properties
             .headers()
             .as_ref()
@@ -206,7 +227,7 @@ mod tests {
         let r = row(Some("{\"a\":1}"), None);
         let m = envelope().message("acme", &r).unwrap();
         assert_eq!(m.routing_key.as_str(), "acme.order.created");
-        assert_eq!(m.body, b"{\"a\":1}");
+        assert_eq!(m.body, &b"{\"a\":1}"[..]);
         let p = &m.properties;
         assert_eq!(
             p.message_id().as_ref().unwrap().as_str(),

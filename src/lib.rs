@@ -26,6 +26,7 @@
 #![forbid(unsafe_code)]
 
 pub mod backoff;
+pub mod budget;
 pub mod config;
 pub mod domain;
 pub mod envelope;

@@ -8,11 +8,12 @@ use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
 
+use crate::budget::{ByteBudget, Reservation};
 use crate::config::Config;
 use crate::domain::{BatchReport, OutboxRow, Outcome, Refusal};
 use crate::metrics::Metrics;
 use crate::publisher::{Progress, PublishError, Publisher};
-use crate::store::{Store, StoreError};
+use crate::store::{Claim, Store, StoreError};
 
 /// How one sweep of one tenant ended.
 #[derive(Debug)]
@@ -72,6 +73,10 @@ pub struct Relay {
     pub store: Store,
     pub publisher: Publisher,
     pub metrics: Metrics,
+    /// Row bytes read and in flight, relay-wide (`max_bytes_in_flight`).
+    budget: ByteBudget,
+    /// What a sweep reserves of the budget before it reads its batch.
+    budget_share: usize,
     /// Milliseconds since `started` at the scheduler's last turn; read by `/livez`.
     heartbeat_ms: AtomicU64,
     started: Instant,
@@ -80,6 +85,8 @@ pub struct Relay {
 impl Relay {
     pub fn new(config: Arc<Config>, store: Store, publisher: Publisher, metrics: Metrics) -> Relay {
         Relay {
+            budget: ByteBudget::new(config.max_bytes_in_flight),
+            budget_share: config.max_bytes_in_flight / config.concurrency,
             config,
             store,
             publisher,
@@ -122,9 +129,10 @@ impl Relay {
     }
 
     async fn claim_publish_settle(&self, tenant: &str) -> SweepOutcome {
-        // Claim: the tenant's advisory lock and its oldest pending rows.
-        let claim = match self.store.claim(tenant).await {
-            Ok(Some(claim)) => claim,
+        // Claim: the tenant's advisory lock and its oldest pending rows, as
+        // many as its share of the byte budget holds (kept until settled).
+        let (claim, _budget) = match self.claim_within_budget(tenant).await {
+            Ok(Some(claimed)) => claimed,
             Ok(None) => return SweepOutcome::Skipped,
             Err(error) => return SweepOutcome::Failed(error.into()),
         };
@@ -144,15 +152,45 @@ impl Relay {
             }
         };
         // Settle: mark the confirmed prefix, record a refusal, commit.
+        let full = claim.rows().len() == self.config.batch_size || claim.cut_by_budget();
         match claim.settle(&report).await {
-            Ok(rows) => self.settled(tenant, &rows, report),
+            Ok(rows) => self.settled(tenant, &rows, full, report),
             // Confirmed but not marked: these rows go out again (at least once).
             Err(error) => SweepOutcome::Failed(error.into()),
         }
     }
 
-    /// Counts a settled batch and says how its sweep ended.
-    fn settled(&self, tenant: &str, rows: &[OutboxRow], report: BatchReport) -> SweepOutcome {
+    /// Claims `tenant` with the sweep's share of the byte budget and keeps
+    /// what the batch costs. A first row larger than the share waits for the
+    /// budget to hold it alone (the share is given back first, so no sweep
+    /// waits while holding budget another waits for).
+    async fn claim_within_budget(
+        &self,
+        tenant: &str,
+    ) -> Result<Option<(Claim, Reservation)>, StoreError> {
+        let mut budget = self.budget.reserve(self.budget_share).await;
+        let Some(mut claim) = self.store.claim(tenant, budget.bytes()).await? else {
+            return Ok(None);
+        };
+        if let Some(cost) = claim.withheld() {
+            drop(budget);
+            budget = self.budget.reserve(cost).await;
+            claim.read_withheld().await?;
+        }
+        budget.keep(claim.cost());
+        Ok(Some((claim, budget)))
+    }
+
+    /// Counts a settled batch and says how its sweep ended: a full batch
+    /// (`batch_size` rows, or as many as the byte budget held) is followed at
+    /// once by the next.
+    fn settled(
+        &self,
+        tenant: &str,
+        rows: &[OutboxRow],
+        full: bool,
+        report: BatchReport,
+    ) -> SweepOutcome {
         let published = report.confirmed();
         self.metrics.count_published(tenant, published);
         for (row, confirmed_at) in rows.iter().zip(&report.confirmed_at) {
@@ -169,9 +207,7 @@ impl Relay {
                     refusal,
                 })
             }
-            None if rows.len() == self.config.batch_size => {
-                SweepOutcome::Published { rows: published }
-            }
+            None if full => SweepOutcome::Published { rows: published },
             None => SweepOutcome::Idle { rows: published },
         }
     }

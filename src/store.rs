@@ -18,14 +18,17 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
+use bytes::Bytes;
 use deadpool_postgres::{
     BuildError, Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime, Timeouts,
 };
+use futures_util::TryStreamExt;
 use futures_util::future::{MaybeDone, maybe_done};
+use time::OffsetDateTime;
 use tokio_postgres::types::ToSql;
 
 use crate::config::{Config, DatabaseTarget};
-use crate::domain::{BatchReport, Lease, OutboxRow};
+use crate::domain::{BatchReport, Lease, OutboxRow, Payload};
 
 /// Deadline of each round trip of a sweep, and of the poll and lag queries.
 pub const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -41,6 +44,7 @@ pub const POOL_WAIT_TIMEOUT: Duration = Duration::from_secs(5);
 const BEGIN: &str = "BEGIN; SET LOCAL synchronous_commit = off";
 const CLAIM: &str = include_str!("store/claim.sql");
 const READ_BATCH: &str = include_str!("store/read_batch.sql");
+const READ_PAYLOAD: &str = include_str!("store/read_payload.sql");
 const MARK_PUBLISHED: &str = include_str!("store/mark_published.sql");
 const RECORD_REFUSAL: &str = include_str!("store/record_refusal.sql");
 const UNMARK_PUBLISHED: &str = include_str!("store/unmark_published.sql");
@@ -133,6 +137,7 @@ pub struct TenantStatus {
 #[derive(Debug)]
 struct Statements {
     read_batch: String,
+    read_payload: String,
     mark_published: String,
     unmark_published: String,
     record_refusal: String,
@@ -149,6 +154,95 @@ pub struct Store {
     /// `'<schema>.<table>'`: the first advisory-lock key.
     lock_key: Arc<str>,
     batch_size: i64,
+    max_payload_bytes: i64,
+}
+
+/// The longest `subject_id` or `headers` (as JSON text) the batch read
+/// returns: no AMQP frame takes more (RabbitMQ's `frame_max` is 128 KiB by
+/// default), so a longer one is refused without being read.
+const FIELD_LIMIT: i64 = 1 << 20;
+
+/// Reads one row of `read_batch.sql`. A value that cannot be read, or was
+/// left in the database for its size, makes that row defective (refused as
+/// `invalid` or `too_large`), never the batch.
+fn decode(
+    row: &tokio_postgres::Row,
+    max_payload_bytes: i64,
+) -> Result<OutboxRow, tokio_postgres::Error> {
+    let id: i64 = row.try_get("id")?;
+    let cost: i64 = row.try_get("cost")?;
+    let mut defects = Vec::new();
+    let mut text = |column: &str, what: &str, limit: i64| -> String {
+        match row.try_get::<_, Option<String>>(column) {
+            Ok(Some(value)) => value,
+            Ok(None) => {
+                let bytes: Option<i32> = row.try_get(format!("{column}_bytes").as_str()).ok();
+                let bytes = bytes.map_or_else(|| "?".to_string(), |b| b.to_string());
+                defects.push(format!("{what} is {bytes} bytes, over {limit}"));
+                String::new()
+            }
+            Err(error) => {
+                defects.push(format!("{what} cannot be read: {error}"));
+                String::new()
+            }
+        }
+    };
+    let kind = text("kind", "kind", 255);
+    let subject_id = text("subject_id", "subject_id", FIELD_LIMIT);
+    let payload_bytes: Option<i32> = row.try_get("payload_bytes")?;
+    let payload = match (row.try_get::<_, Option<String>>("payload"), payload_bytes) {
+        (Ok(Some(body)), _) => Payload::Body(Bytes::from(body)),
+        (Ok(None), None) => Payload::Tombstone,
+        (Ok(None), Some(bytes)) if i64::from(bytes) > max_payload_bytes => Payload::TooLarge {
+            bytes: u64::try_from(bytes).unwrap_or_default(),
+        },
+        (Ok(None), Some(bytes)) => Payload::OverBudget {
+            bytes: u64::try_from(bytes).unwrap_or_default(),
+        },
+        (Err(error), _) => {
+            defects.push(format!("payload cannot be read: {error}"));
+            Payload::Tombstone
+        }
+    };
+    let headers_bytes: Option<i32> = row.try_get("headers_bytes")?;
+    let headers = match row.try_get::<_, Option<serde_json::Value>>("headers") {
+        Ok(None) if headers_bytes.is_some() => {
+            defects.push(format!(
+                "headers are {} bytes of JSON, over {FIELD_LIMIT}",
+                headers_bytes.unwrap_or_default()
+            ));
+            None
+        }
+        Ok(headers) => headers,
+        Err(error) => {
+            defects.push(format!("headers cannot be read: {error}"));
+            None
+        }
+    };
+    let occurred_at = match row.try_get::<_, Option<OffsetDateTime>>("occurred_at") {
+        Ok(Some(at)) => at,
+        Ok(None) => {
+            defects.push(
+                "occurred_at is infinite or outside the years 1-9999, which no message can carry"
+                    .into(),
+            );
+            OffsetDateTime::UNIX_EPOCH
+        }
+        Err(error) => {
+            defects.push(format!("occurred_at cannot be read: {error}"));
+            OffsetDateTime::UNIX_EPOCH
+        }
+    };
+    Ok(OutboxRow {
+        id,
+        kind,
+        subject_id,
+        payload,
+        headers,
+        occurred_at,
+        defect: (!defects.is_empty()).then(|| defects.join("; ")),
+        cost: usize::try_from(cost).unwrap_or(usize::MAX),
+    })
 }
 
 /// `"schema"."table"`, each identifier quoted.
@@ -228,6 +322,7 @@ impl Store {
             pool,
             statements: Arc::new(Statements {
                 read_batch: with_table(READ_BATCH),
+                read_payload: with_table(READ_PAYLOAD),
                 mark_published: with_table(MARK_PUBLISHED),
                 unmark_published: with_table(UNMARK_PUBLISHED),
                 record_refusal: with_table(RECORD_REFUSAL),
@@ -237,6 +332,7 @@ impl Store {
             }),
             lock_key: format!("{}.{}", config.schema, config.table).into(),
             batch_size: i64::try_from(config.batch_size).unwrap_or(i64::MAX),
+            max_payload_bytes: i64::try_from(config.max_payload_bytes).unwrap_or(i64::MAX),
         })
     }
 
@@ -246,16 +342,18 @@ impl Store {
     }
 
     /// Opens a transaction, tries the tenant's advisory lock and reads its
-    /// oldest pending rows, all in one round trip. `Ok(None)`: another relay
-    /// holds the tenant.
-    pub async fn claim(&self, tenant: &str) -> Result<Option<Claim>, StoreError> {
+    /// oldest pending rows, as many as fit `budget` bytes (at least one), all
+    /// in one round trip. `Ok(None)`: another relay holds the tenant.
+    pub async fn claim(&self, tenant: &str, budget: usize) -> Result<Option<Claim>, StoreError> {
         let mut claim = Claim {
             conn: Some(Arc::new(self.connection().await?)),
             store: self.clone(),
             rows: Vec::new(),
+            cut_by_budget: false,
             ahead: Mutex::new(MarksAhead::default()),
         };
         let client = claim.client();
+        let budget = i64::try_from(budget).unwrap_or(i64::MAX);
         let work = async {
             let claim_stmt = client.prepare_cached(CLAIM).await?;
             let read_stmt = client.prepare_cached(&self.statements.read_batch).await?;
@@ -266,35 +364,36 @@ impl Store {
                 .await?;
             let lock_key: &str = &self.lock_key;
             let claim_params: [&(dyn ToSql + Sync); 2] = [&lock_key, &tenant];
-            let read_params: [&(dyn ToSql + Sync); 2] = [&tenant, &self.batch_size];
+            let read_params: [&(dyn ToSql + Sync); 5] = [
+                &tenant,
+                &self.batch_size,
+                &self.max_payload_bytes,
+                &budget,
+                &FIELD_LIMIT,
+            ];
             let (begin, taken, rows) = tokio::join!(
                 client.batch_execute(BEGIN),
                 client.query_one(&claim_stmt, &claim_params),
-                client.query(&read_stmt, &read_params),
+                client.query_raw(&read_stmt, read_params),
             );
             begin?;
             let taken: bool = taken?.try_get(1)?;
-            let rows = rows?;
-            Ok::<_, StoreError>((taken, rows))
+            // One row at a time: only the row being read is held twice.
+            let mut rows = std::pin::pin!(rows?);
+            let (mut batch, mut pending) = (Vec::new(), 0);
+            while let Some(row) = rows.try_next().await? {
+                pending = row.try_get::<_, i64>("pending")?;
+                batch.push(decode(&row, self.max_payload_bytes)?);
+            }
+            Ok::<_, StoreError>((taken, batch, pending))
         };
-        let (taken, rows) = deadline("the claim", work).await?;
+        let (taken, rows, pending) = deadline("the claim", work).await?;
         if !taken {
             claim.rollback().await?;
             return Ok(None);
         }
-        claim.rows = rows
-            .iter()
-            .map(|row| {
-                Ok(OutboxRow {
-                    id: row.try_get(0)?,
-                    kind: row.try_get(1)?,
-                    subject_id: row.try_get(2)?,
-                    payload: row.try_get(3)?,
-                    headers: row.try_get(4)?,
-                    occurred_at: row.try_get(5)?,
-                })
-            })
-            .collect::<Result<_, tokio_postgres::Error>>()?;
+        claim.rows = rows;
+        claim.cut_by_budget = usize::try_from(pending).unwrap_or_default() > claim.rows.len();
         Ok(Some(claim))
     }
 
@@ -410,6 +509,8 @@ pub struct Claim {
     conn: Option<Arc<Object>>,
     store: Store,
     rows: Vec<OutboxRow>,
+    /// More rows were pending than the byte budget let the batch hold.
+    cut_by_budget: bool,
     ahead: Mutex<MarksAhead>,
 }
 
@@ -423,6 +524,45 @@ impl Claim {
     /// The batch, in outbox order.
     pub fn rows(&self) -> &[OutboxRow] {
         &self.rows
+    }
+
+    /// Whether the batch stopped at the byte budget with more rows pending
+    /// behind it (so the tenant is swept again at once).
+    pub fn cut_by_budget(&self) -> bool {
+        self.cut_by_budget
+    }
+
+    /// What the batch holds of the byte budget.
+    pub fn cost(&self) -> usize {
+        self.rows.iter().map(|row| row.cost).sum()
+    }
+
+    /// The first row's cost when it alone was over the sweep's share of the
+    /// budget, so its payload was not read (see [`Claim::read_withheld`]).
+    pub fn withheld(&self) -> Option<usize> {
+        self.rows
+            .first()
+            .filter(|row| matches!(row.payload, Payload::OverBudget { .. }))
+            .map(|row| row.cost)
+    }
+
+    /// Reads the payload the batch read withheld for the budget; the caller
+    /// holds the budget for it by now.
+    pub async fn read_withheld(&mut self) -> Result<(), StoreError> {
+        let Some(row) = self.rows.first() else {
+            return Ok(());
+        };
+        let id = row.id;
+        let client = self.client();
+        let sql = &self.store.statements.read_payload;
+        let payload: Option<String> = deadline("reading a payload", async {
+            let statement = client.prepare_cached(sql).await?;
+            Ok(client.query_one(&statement, &[&id]).await?.try_get(0)?)
+        })
+        .await?;
+        self.rows[0].payload =
+            payload.map_or(Payload::Tombstone, |body| Payload::Body(Bytes::from(body)));
+        Ok(())
     }
 
     /// Sends the UPDATE marking the batch's first `prefix` rows published

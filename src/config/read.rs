@@ -153,8 +153,13 @@ impl Rule<String> for Identifier {
     }
 }
 
+/// The longest tenant name: it goes out in every message's
+/// `outbox-tenant-id` header, which must fit one AMQP frame with the rest.
+pub const MAX_TENANT_BYTES: usize = 65_536;
+
 /// A list of tenant names: a TOML array, or comma-separated text (a variable
-/// or a flag). Non-empty names, each once, at least one.
+/// or a flag). Non-empty names without control characters, each once, at
+/// least one.
 pub struct TenantList;
 
 impl Rule<Vec<String>> for TenantList {
@@ -184,6 +189,18 @@ impl Rule<Vec<String>> for TenantList {
             };
             if name.trim().is_empty() {
                 return Err(refuse("tenant names must not be empty".into()));
+            }
+            if name.chars().any(char::is_control) {
+                return Err(refuse(format!(
+                    "tenant {:?} holds a control character",
+                    name.chars().take(64).collect::<String>()
+                )));
+            }
+            if name.len() > MAX_TENANT_BYTES {
+                return Err(refuse(format!(
+                    "a tenant name is {} bytes; its outbox-tenant-id header could never fit an AMQP frame (at most {MAX_TENANT_BYTES})",
+                    name.len()
+                )));
             }
             if !seen.insert(name.as_str()) {
                 return Err(refuse(format!("tenant \"{name}\" is listed twice")));

@@ -226,7 +226,7 @@ impl ConfirmChannel {
         batch: &Arc<Batch>,
         (index, row_id): (usize, i64),
         exchange: ShortString,
-        message: Message<'_>,
+        message: Message,
         deadline: Instant,
     ) {
         let channel = self.channel.clone();
@@ -235,8 +235,8 @@ impl ConfirmChannel {
             properties,
             body,
         } = message;
-        // Owned: the collector outlives the sweep's borrow of its rows.
-        let body = body.to_vec();
+        // Shared with the row, not copied: the collector outlives the
+        // sweep's borrow of its rows.
         let send: Pin<Box<dyn Future<Output = lapin::Result<Confirmation>> + Send>> =
             Box::pin(async move {
                 let options = BasicPublishOptions {

@@ -1,5 +1,7 @@
 -- The tenant's oldest pending rows, in outbox order, if this transaction holds
--- the tenant (see claim.sql). $1 = tenant, $2 = batch size.
+-- the tenant (see claim.sql), as many as fit the sweep's share of the relay's
+-- byte budget. $1 = tenant, $2 = batch size, $3 = max_payload_bytes, $4 = the
+-- sweep's share of the budget, $5 = the longest subject_id or headers read.
 --
 -- `tenant_id` is bounded by a range rather than `=`, and the order is written as
 -- (tenant_id, id): only the partial index (tenant_id, id) WHERE published_at IS
@@ -7,9 +9,53 @@
 -- key and filtering past millions of published rows, whatever the server's cost
 -- settings or statistics. (With `=`, tenant_id is a constant to the planner and
 -- the primary key's order is just as good to it.)
-SELECT id, kind, subject_id, payload::text, headers::jsonb, occurred_at
-FROM {table}
-WHERE current_setting('outbox_relay.claimed', true) = 'true'
-  AND tenant_id >= $1 AND tenant_id <= $1 AND published_at IS NULL
-ORDER BY tenant_id, id
-LIMIT $2
+--
+-- Nothing that could not be sent is read whole: a payload over $3, a kind over
+-- 255 bytes or a subject_id or headers over $5 comes back as NULL beside its
+-- length (`octet_length` of a stored text value does not even fetch it), and
+-- the row is refused. An `occurred_at` no message can carry (infinite, or a
+-- year outside 1-9999) comes back as NULL too. Each row's cost (its payload
+-- twice: the relay's copy and the AMQP client's frames; its other fields;
+-- 1 KiB) is summed in outbox order, and the batch stops where the sum would
+-- pass $4. The first row always comes back, and its payload too unless the
+-- row alone is over $4: then it is read on its own once the budget allows it
+-- (read_payload.sql). `pending` says how many rows the batch would have held
+-- without the budget: a batch cut short by it is swept again at once.
+WITH batch AS (
+    SELECT id, kind, subject_id, payload::text AS payload, headers::jsonb AS headers,
+           occurred_at,
+           octet_length(kind) AS kind_bytes,
+           octet_length(subject_id) AS subject_bytes,
+           octet_length(payload::text) AS payload_bytes,
+           octet_length(headers::text) AS headers_bytes
+    FROM {table}
+    WHERE current_setting('outbox_relay.claimed', true) = 'true'
+      AND tenant_id >= $1 AND tenant_id <= $1 AND published_at IS NULL
+    ORDER BY tenant_id, id
+    LIMIT $2
+), costed AS (
+    SELECT *,
+           1024
+           + CASE WHEN kind_bytes <= 255 THEN kind_bytes ELSE 0 END
+           + CASE WHEN subject_bytes <= $5::bigint THEN subject_bytes ELSE 0 END
+           + CASE WHEN headers_bytes <= $5::bigint THEN headers_bytes ELSE 0 END
+           + CASE WHEN payload_bytes <= $3::bigint THEN 2 * payload_bytes::bigint ELSE 0 END
+           AS cost
+    FROM batch
+), running AS (
+    SELECT *, sum(cost) OVER (ORDER BY id) AS total, count(*) OVER () AS pending
+    FROM costed
+)
+SELECT id,
+       CASE WHEN kind_bytes <= 255 THEN kind END AS kind, kind_bytes,
+       CASE WHEN subject_bytes <= $5::bigint THEN subject_id END AS subject_id, subject_bytes,
+       CASE WHEN payload_bytes <= $3::bigint AND total <= $4::bigint THEN payload END AS payload,
+       payload_bytes,
+       CASE WHEN headers_bytes <= $5::bigint THEN headers END AS headers, headers_bytes,
+       CASE WHEN occurred_at >= '0001-01-01 00:00:00+00'
+             AND occurred_at < '10000-01-01 00:00:00+00' THEN occurred_at END AS occurred_at,
+       cost::bigint AS cost,
+       pending
+FROM running
+WHERE total <= $4::bigint OR total = cost -- within the budget, or the first row
+ORDER BY id

@@ -418,7 +418,7 @@ async fn an_unreachable_broker_is_not_fatal_and_not_ready() {
     outbox.drop_schema().await;
 }
 
-/// The trap MEASURED.md found: many published rows, fresh statistics, the
+/// The trap measured on this kind of machine: many published rows, fresh statistics, the
 /// default `random_page_cost`, and the planner walks the primary key and
 /// filters. The relay's statements must use the partial index regardless,
 /// even with costs that favour anything else and with generic plans.
@@ -450,7 +450,7 @@ async fn the_relays_reads_use_the_partial_index_whatever_the_costs() {
         client.batch_execute(settings).await.unwrap();
         for (n, sql) in statements.iter().enumerate() {
             let params = match n {
-                0 => "('bulk', 256)",
+                0 => "('bulk', 256, 16777216, 67108864, 1048576)",
                 1 => "",
                 _ => "(ARRAY['bulk', 'other'])",
             };

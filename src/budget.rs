@@ -1,0 +1,131 @@
+//! The relay-wide budget of row bytes read and in flight
+//! (`max_bytes_in_flight`). A sweep reserves its share before it reads a
+//! batch, keeps what the batch costs until the batch is settled, and gives
+//! the rest back at once; a row larger than a share waits until the budget
+//! has room for it alone. However large or many the rows, the relay holds no
+//! more than the budget of them (see `domain::OutboxRow::cost`).
+
+use std::sync::Arc;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// The unit the budget is counted in: a permit is this many bytes.
+const UNIT: usize = 1024;
+
+/// What besides its payload one row may cost at most: a `subject_id` and
+/// `headers` as long as the batch read takes them (1 MiB each), plus the
+/// per-row overhead. With twice `max_payload_bytes`, the least budget that
+/// always holds one row.
+pub const ROW_FIELDS_MAX: usize = 2 * 1024 * 1024 + UNIT;
+
+/// The least `max_bytes_in_flight` for a `max_payload_bytes`.
+pub fn least_for(max_payload_bytes: usize) -> usize {
+    max_payload_bytes
+        .saturating_mul(2)
+        .saturating_add(ROW_FIELDS_MAX)
+}
+
+/// The relay's byte budget, shared by its sweeps.
+#[derive(Debug, Clone)]
+pub struct ByteBudget {
+    permits: Arc<Semaphore>,
+    units: usize,
+}
+
+/// Bytes of the budget held by one sweep; given back when dropped.
+#[derive(Debug)]
+pub struct Reservation {
+    permit: OwnedSemaphorePermit,
+}
+
+impl ByteBudget {
+    pub fn new(bytes: usize) -> ByteBudget {
+        let units = units(bytes).clamp(1, Semaphore::MAX_PERMITS);
+        ByteBudget {
+            permits: Arc::new(Semaphore::new(units)),
+            units,
+        }
+    }
+
+    /// Waits until `bytes` (at most the whole budget) are free and holds them.
+    pub async fn reserve(&self, bytes: usize) -> Reservation {
+        let wanted = units(bytes).clamp(1, self.units);
+        let wanted = u32::try_from(wanted).unwrap_or(u32::MAX);
+        let permit = self
+            .permits
+            .clone()
+            .acquire_many_owned(wanted)
+            .await
+            .expect("the budget's semaphore is never closed");
+        Reservation { permit }
+    }
+
+    /// Bytes free now.
+    pub fn available(&self) -> usize {
+        self.permits.available_permits().saturating_mul(UNIT)
+    }
+}
+
+impl Reservation {
+    pub fn bytes(&self) -> usize {
+        self.permit.num_permits().saturating_mul(UNIT)
+    }
+
+    /// Gives back all but `bytes` (rounded up to the unit).
+    pub fn keep(&mut self, bytes: usize) {
+        let keep = units(bytes).max(1);
+        let surplus = self.permit.num_permits().saturating_sub(keep);
+        if surplus > 0 {
+            drop(self.permit.split(surplus));
+        }
+    }
+}
+
+fn units(bytes: usize) -> usize {
+    bytes.div_ceil(UNIT)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_reservation_holds_its_bytes_until_dropped_and_gives_back_the_rest() {
+        let budget = ByteBudget::new(64 * UNIT);
+        let mut first = budget.reserve(40 * UNIT).await;
+        assert_eq!(budget.available(), 24 * UNIT);
+        first.keep(10 * UNIT + 1);
+        assert_eq!(first.bytes(), 11 * UNIT, "rounded up to the unit");
+        assert_eq!(budget.available(), 53 * UNIT);
+        drop(first);
+        assert_eq!(budget.available(), 64 * UNIT);
+    }
+
+    #[tokio::test]
+    async fn a_reservation_larger_than_the_budget_takes_the_whole_budget() {
+        let budget = ByteBudget::new(8 * UNIT);
+        let all = budget.reserve(100 * UNIT).await;
+        assert_eq!(all.bytes(), 8 * UNIT);
+        assert_eq!(budget.available(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_reservation_waits_until_the_budget_has_room() {
+        let budget = ByteBudget::new(8 * UNIT);
+        let held = budget.reserve(6 * UNIT).await;
+        let waiting = tokio::spawn({
+            let budget = budget.clone();
+            async move { budget.reserve(4 * UNIT).await.bytes() }
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished(), "2 KiB free, 4 KiB wanted");
+        drop(held);
+        assert_eq!(waiting.await.unwrap(), 4 * UNIT);
+    }
+
+    #[test]
+    fn the_least_budget_holds_one_row_of_the_largest_payload() {
+        assert_eq!(least_for(16 << 20), (32 << 20) + ROW_FIELDS_MAX);
+        assert_eq!(least_for(usize::MAX), usize::MAX);
+    }
+}

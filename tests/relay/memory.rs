@@ -1,0 +1,119 @@
+//! The byte budget (`max_bytes_in_flight`): a batch stops at the sweep's share
+//! of it and the tenant goes on at once; a row larger than a share is read on
+//! its own once the budget holds it, and goes out whole, in order; a payload
+//! over `max_payload_bytes` is refused without being read. (Peak memory is
+//! measured by the benchmark, not asserted here.)
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use outbox_relay::budget::least_for;
+
+use crate::support::{Broker, Outbox, by_tenant, config, eventually, metric, start_relay};
+
+const KIB: usize = 1024;
+
+/// A payload of `bytes` that says which row it is at its start.
+fn payload(tenant: &str, n: usize, bytes: usize) -> String {
+    let head = format!("{tenant}-{n}:");
+    head.clone() + &"x".repeat(bytes - head.len())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_stop_at_the_budget_and_rows_larger_than_a_share_go_out_whole_in_order() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let mut config = config(&outbox, &broker, &["large", "many", "huge"]);
+    config.max_payload_bytes = 1024 * KIB;
+    config.max_bytes_in_flight = least_for(config.max_payload_bytes);
+    config.concurrency = 4;
+    config.pool_size = 6;
+    // Only the first poll finds the tenants: a batch cut short by the budget
+    // must be followed at once, not wait for the next poll.
+    config.poll_ms = 60_000;
+    config.max_backoff_ms = 60_000;
+
+    // Each costs about 1.8 MiB, over a sweep's share (about 1 MiB).
+    let mut large = Vec::new();
+    for n in 0..4 {
+        let body = payload("large", n, 900 * KIB);
+        large.push((
+            outbox.insert("large", "k", "s", Some(&body), None).await,
+            body,
+        ));
+    }
+    // About 81 KiB each: a dozen to a share, so 200 take many batches.
+    let mut many = Vec::new();
+    for n in 0..200 {
+        let body = payload("many", n, 40 * KIB);
+        many.push((
+            outbox.insert("many", "k", "s", Some(&body), None).await,
+            body,
+        ));
+    }
+    let huge = outbox
+        .insert(
+            "huge",
+            "k",
+            "s",
+            Some(&payload("huge", 0, 2048 * KIB)),
+            None,
+        )
+        .await;
+
+    let relay = start_relay(config).await;
+    eventually(
+        "every row within limits arrives",
+        Duration::from_secs(30),
+        || async {
+            let ids: HashSet<i64> = broker.received().iter().map(|r| r.id).collect();
+            large.iter().chain(&many).all(|(id, _)| ids.contains(id))
+        },
+    )
+    .await;
+    eventually(
+        "the huge row is refused",
+        Duration::from_secs(10),
+        || async { outbox.row(huge).await.attempts >= 1 },
+    )
+    .await;
+
+    let received = broker.received();
+    let order = by_tenant(&received);
+    for (tenant, rows) in [("large", &large), ("many", &many)] {
+        let expected: Vec<i64> = rows.iter().map(|(id, _)| *id).collect();
+        assert_eq!(order[tenant], expected, "{tenant}: once each, in order");
+        for (id, body) in rows.iter() {
+            let message = received.iter().find(|r| r.id == *id).unwrap();
+            assert!(
+                message.body == body.as_bytes(),
+                "{tenant} row {id} arrives whole"
+            );
+        }
+    }
+    assert!(
+        !order.contains_key("huge"),
+        "a payload over max_payload_bytes is never sent"
+    );
+    let refused = outbox.row(huge).await;
+    assert_eq!(
+        refused.last_error.as_deref(),
+        Some("too_large: payload is 2097152 bytes, over max_payload_bytes (1048576)")
+    );
+
+    // Cut short by the budget, not by batch_size (256): many sweeps, each a
+    // full one, none waiting for the next poll.
+    let metrics = relay.get("/metrics").await.1;
+    let full = metric(
+        &metrics,
+        "outbox_sweeps_total{outcome=\"published\",tenant=\"many\"}",
+    )
+    .unwrap_or_default();
+    assert!(
+        full >= 15.0,
+        "200 rows of 81 KiB in 1 MiB shares: {full} full sweeps"
+    );
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
