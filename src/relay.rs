@@ -9,7 +9,8 @@ use std::time::{Duration, SystemTime};
 use tokio::time::Instant;
 
 use crate::config::Config;
-use crate::domain::{BatchReport, OutboxRow, Outcome, Refusal};
+use crate::domain::{BatchReport, FailureReason, OutboxRow, Outcome, Refusal};
+use crate::lag::LagTracker;
 use crate::metrics::Metrics;
 use crate::publisher::{Progress, PublishError, Publisher};
 use crate::store::{Store, StoreError};
@@ -34,6 +35,23 @@ impl SweepOutcome {
             SweepOutcome::Idle { .. } => Outcome::Idle,
             SweepOutcome::Skipped => Outcome::Skipped,
             SweepOutcome::Failed(_) => Outcome::Failed,
+        }
+    }
+
+    /// Whether the sweep failed because the database could not be reached or
+    /// the broker connection was lost, absent or timed out: an outage, which
+    /// is no tenant's doing and must not grow its back-off. A refusal of the
+    /// tenant's own row (nack, unroutable, too large, invalid), a statement
+    /// the server refused, a row that did not decode, or the relay's own
+    /// trouble is the tenant's failure.
+    pub fn is_outage(&self) -> bool {
+        match self {
+            SweepOutcome::Failed(SweepFailure::Store(error)) => error.is_unreachable(),
+            SweepOutcome::Failed(SweepFailure::Refused { refusal, .. }) => matches!(
+                refusal.reason,
+                FailureReason::Connection | FailureReason::Timeout
+            ),
+            _ => false,
         }
     }
 }
@@ -72,6 +90,9 @@ pub struct Relay {
     pub store: Store,
     pub publisher: Publisher,
     pub metrics: Metrics,
+    /// Since when each tenant's oldest row has waited, as the poll saw it;
+    /// `/healthz` reads it (see `lag`).
+    pub lag: LagTracker,
     /// Milliseconds since `started` at the scheduler's last turn; read by `/livez`.
     heartbeat_ms: AtomicU64,
     started: Instant,
@@ -84,6 +105,7 @@ impl Relay {
             store,
             publisher,
             metrics,
+            lag: LagTracker::new(),
             heartbeat_ms: AtomicU64::new(0),
             started: Instant::now(),
         }
