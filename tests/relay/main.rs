@@ -9,3 +9,4 @@ mod faults;
 mod proxy;
 mod refusals;
 mod support;
+mod values;
