@@ -198,3 +198,41 @@ impl Relay {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(reason: FailureReason) -> SweepOutcome {
+        SweepOutcome::Failed(SweepFailure::Refused {
+            id: 1,
+            published: 0,
+            refusal: Refusal::new(reason, "detail"),
+        })
+    }
+
+    #[test]
+    fn outages_are_told_from_a_tenants_own_failures() {
+        for reason in [FailureReason::Connection, FailureReason::Timeout] {
+            assert!(refused(reason).is_outage(), "{reason:?}");
+        }
+        for reason in [
+            FailureReason::Nack,
+            FailureReason::Unroutable,
+            FailureReason::TooLarge,
+            FailureReason::Invalid,
+            FailureReason::Other,
+        ] {
+            assert!(!refused(reason).is_outage(), "{reason:?}");
+        }
+        let deadline = StoreError::Timeout("the claim", Duration::from_secs(10));
+        assert!(SweepOutcome::Failed(deadline.into()).is_outage());
+        let unfit = StoreError::PayloadColumn {
+            table: "\"public\".\"outbox_message\"".into(),
+            found: Some("bytea".into()),
+        };
+        assert!(!SweepOutcome::Failed(unfit.into()).is_outage());
+        assert!(!SweepOutcome::Failed(SweepFailure::Aborted("panic".into())).is_outage());
+        assert!(!SweepOutcome::Idle { rows: 0 }.is_outage());
+    }
+}
