@@ -143,7 +143,8 @@ async fn migrate_until_done(relay: &Relay, stop: Shutdown) -> bool {
             Ok(()) => return true,
             Err(error) => {
                 tracing::warn!(%error, "cannot apply migrations; retrying");
-                relay.metrics.set_database_up(false);
+                // Up means reached: a server that refused the migration was.
+                relay.metrics.set_database_up(!error.is_unreachable());
             }
         }
         let delay = backoff.delay(failures);
