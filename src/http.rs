@@ -45,24 +45,29 @@ struct TenantHealth {
     pending: bool,
 }
 
+/// Each configured tenant's lag, as the gauge reports it: the database's
+/// measure of its oldest pending row, or how long the poll has seen that row
+/// waiting, whichever is longer (see `lag`).
 async fn healthz(State(relay): State<Arc<Relay>>) -> Response {
     let max_lag_ms = relay.config.max_lag_ms;
     match relay.store.tenant_lag(&relay.config.tenants).await {
         Ok(lags) => {
+            let now = tokio::time::Instant::now();
+            let lags: Vec<TenantHealth> = lags
+                .into_iter()
+                .map(|t| TenantHealth {
+                    lag_ms: relay.lag.lag_ms(&t.tenant, t.oldest_id, t.lag_ms, now),
+                    pending: t.oldest_id.is_some(),
+                    tenant: t.tenant,
+                })
+                .collect();
             let lagging = lags
                 .iter()
                 .any(|t| u64::try_from(t.lag_ms).unwrap_or(0) > max_lag_ms);
             let body = Health {
                 status: if lagging { "lagging" } else { "ok" },
                 max_lag_ms,
-                tenants: lags
-                    .into_iter()
-                    .map(|t| TenantHealth {
-                        tenant: t.tenant,
-                        lag_ms: t.lag_ms,
-                        pending: t.pending,
-                    })
-                    .collect(),
+                tenants: lags,
                 error: None,
             };
             let code = if lagging {

@@ -17,9 +17,10 @@
 //!    oldest pending rows, marks the confirmed prefix ahead as it grows, and
 //!    settles the claim (marks, a refusal, commit).
 //! 5. [`scheduler`] decides when each tenant is swept: one poll per interval
-//!    asks the store which tenants have pending rows; each due tenant gets a
-//!    sweep, at most `concurrency` at once, with its own [`backoff`] after a
-//!    failure.
+//!    asks the store which tenants have pending rows (and their lag, kept by
+//!    [`lag`]); each due tenant gets a sweep, at most `concurrency` at once,
+//!    with its own [`backoff`] after a failure of its own (a database or
+//!    broker outage is no tenant's failure).
 //! 6. [`http`] serves lag, liveness, readiness and [`metrics`]; [`telemetry`]
 //!    writes the logs; [`shutdown`] drains sweeps on SIGTERM; [`migrate`]
 //!    creates the table; [`status`] is the operator's view from the database.
@@ -31,6 +32,7 @@ pub mod config;
 pub mod domain;
 pub mod envelope;
 pub mod http;
+pub mod lag;
 pub mod metrics;
 pub mod migrate;
 pub mod publisher;
@@ -142,7 +144,8 @@ async fn migrate_until_done(relay: &Relay, stop: Shutdown) -> bool {
             Ok(()) => return true,
             Err(error) => {
                 tracing::warn!(%error, "cannot apply migrations; retrying");
-                relay.metrics.set_database_up(false);
+                // Up means reached: a server that refused the migration was.
+                relay.metrics.set_database_up(!error.is_unreachable());
             }
         }
         let delay = backoff.delay(failures);

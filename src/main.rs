@@ -116,29 +116,41 @@ fn warn_unknown_env(loaded: &Loaded) {
     }
 }
 
+/// `migrate`: applies the migrations, then checks the `payload` column (an
+/// existing table keeps its own, which may be one the relay cannot send).
 async fn migrate_once(config: Config) -> anyhow::Result<()> {
     use anyhow::Context;
     let store = store::Store::new(&config)?;
     migrate::run(&store, &config)
         .await
         .context("cannot apply the migrations")?;
+    store
+        .check_payload_type()
+        .await
+        .context("the migrations are applied, but the table cannot be relayed")?;
     Ok(())
 }
 
 /// `status`: exit 0 when every tenant is within max_lag_ms, 1 when one is
-/// not (or the database cannot be asked).
+/// not (or the database cannot be asked, or the table's `payload` column is
+/// one the relay cannot send: said on stderr after the report).
 async fn status(config: Config, json: bool) -> ExitCode {
     let result = async {
         let store = store::Store::new(&config)?;
+        let unfit = match store.check_payload_type().await {
+            Ok(_) => None,
+            Err(error @ store::StoreError::PayloadColumn { .. }) => Some(error),
+            Err(error) => return Err(error.into()),
+        };
         let tenants = store.tenant_status(&config.tenants).await?;
-        Ok::<_, anyhow::Error>(outbox_relay::status::Report::new(
-            config.max_lag_ms,
-            tenants,
+        Ok::<_, anyhow::Error>((
+            outbox_relay::status::Report::new(config.max_lag_ms, tenants),
+            unfit,
         ))
     }
     .await;
     match result {
-        Ok(report) => {
+        Ok((report, unfit)) => {
             print!(
                 "{}",
                 if json {
@@ -147,7 +159,10 @@ async fn status(config: Config, json: bool) -> ExitCode {
                     report.table()
                 }
             );
-            if report.lagging {
+            if let Some(error) = &unfit {
+                eprintln!("outbox-relay: {error}");
+            }
+            if report.lagging || unfit.is_some() {
                 ExitCode::from(EXIT_FATAL)
             } else {
                 ExitCode::SUCCESS

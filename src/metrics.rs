@@ -12,6 +12,12 @@ use prometheus::{
 
 use crate::domain::{FailureReason, Outcome};
 
+/// The longest delivery delay observed as it is: a longer one (a row whose
+/// `occurred_at` is years old, e.g. year 1) counts as this, so that one row
+/// cannot dominate `outbox_delivery_delay_seconds_sum` for ever. A row from
+/// the future (a writer's fast clock) counts as 0.
+pub const DELIVERY_DELAY_MAX: Duration = Duration::from_secs(24 * 60 * 60);
+
 /// The relay's metrics.
 #[derive(Clone)]
 pub struct Metrics {
@@ -77,7 +83,7 @@ impl Metrics {
         let lag = GaugeVec::new(
             Opts::new(
                 "outbox_lag_seconds",
-                "Age of the tenant's oldest pending row, by the database's clock.",
+                "How long the tenant's oldest pending row has waited: its age by the database's clock, or how long the relay has seen it waiting, whichever is longer.",
             ),
             &["tenant"],
         )
@@ -97,7 +103,7 @@ impl Metrics {
         .expect("valid metric");
         let database_up = IntGauge::new(
             "outbox_database_up",
-            "Whether the database answered the last poll (1) or not (0).",
+            "Whether the last poll reached the database (1) or not (0); a poll the server answered with an error reached it.",
         )
         .expect("valid metric");
         let build_info = IntGaugeVec::new(
@@ -182,9 +188,11 @@ impl Metrics {
             .inc_by(rows as u64);
     }
 
-    /// One row's broker confirm time minus its `occurred_at`.
+    /// One row's broker confirm time minus its `occurred_at` (0 when that is
+    /// in the future), clamped to [`DELIVERY_DELAY_MAX`].
     pub fn delivered_after(&self, delay: Duration) {
-        self.delivery_delay.observe(delay.as_secs_f64());
+        self.delivery_delay
+            .observe(delay.min(DELIVERY_DELAY_MAX).as_secs_f64());
     }
 
     pub fn failure(&self, tenant: &str, reason: FailureReason) {
@@ -193,7 +201,8 @@ impl Metrics {
             .inc();
     }
 
-    /// The age of `tenant`'s oldest pending row, from the poll.
+    /// How long `tenant`'s oldest pending row has waited, from the poll (see
+    /// `lag`). The poll is this gauge's one writer.
     pub fn set_lag(&self, tenant: &str, lag_ms: i64) {
         self.lag
             .with_label_values(&[tenant])
@@ -215,7 +224,8 @@ impl Metrics {
         self.database_up.set(i64::from(up));
     }
 
-    /// Whether the database answered the last poll.
+    /// Whether the last poll reached the database (answered, even with an
+    /// error).
     pub fn database_is_up(&self) -> bool {
         self.database_up.get() == 1
     }
@@ -242,5 +252,32 @@ mod tests {
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }
+    }
+
+    #[test]
+    fn one_ancient_row_cannot_poison_the_delivery_delay() {
+        let metrics = Metrics::new(&[]);
+        // A year-1 row, as it was measured: 64 billion seconds.
+        metrics.delivered_after(Duration::from_secs(64_000_000_000));
+        metrics.delivered_after(Duration::from_millis(250));
+        let text = metrics.render();
+        let sum = value(&text, "outbox_delivery_delay_seconds_sum");
+        assert_eq!(sum, 86_400.25, "{text}");
+        assert_eq!(
+            value(&text, "outbox_delivery_delay_seconds_count"),
+            2.0,
+            "both rows are counted"
+        );
+        assert_eq!(
+            value(&text, "outbox_delivery_delay_seconds_bucket{le=\"300\"}"),
+            1.0,
+            "the ancient row is in +Inf only"
+        );
+    }
+
+    fn value(text: &str, series: &str) -> f64 {
+        text.lines()
+            .find_map(|line| line.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {series} in\n{text}"))
     }
 }

@@ -10,7 +10,8 @@ use tokio::time::Instant;
 
 use crate::budget::{ByteBudget, Reservation};
 use crate::config::Config;
-use crate::domain::{BatchReport, OutboxRow, Outcome, Refusal};
+use crate::domain::{BatchReport, FailureReason, OutboxRow, Outcome, Refusal};
+use crate::lag::LagTracker;
 use crate::metrics::Metrics;
 use crate::publisher::{Progress, PublishError, Publisher};
 use crate::store::{Claim, Store, StoreError};
@@ -35,6 +36,23 @@ impl SweepOutcome {
             SweepOutcome::Idle { .. } => Outcome::Idle,
             SweepOutcome::Skipped => Outcome::Skipped,
             SweepOutcome::Failed(_) => Outcome::Failed,
+        }
+    }
+
+    /// Whether the sweep failed because the database could not be reached or
+    /// the broker connection was lost, absent or timed out: an outage, which
+    /// is no tenant's doing and must not grow its back-off. A refusal of the
+    /// tenant's own row (nack, unroutable, too large, invalid), a statement
+    /// the server refused, a row that did not decode, or the relay's own
+    /// trouble is the tenant's failure.
+    pub fn is_outage(&self) -> bool {
+        match self {
+            SweepOutcome::Failed(SweepFailure::Store(error)) => error.is_unreachable(),
+            SweepOutcome::Failed(SweepFailure::Refused { refusal, .. }) => matches!(
+                refusal.reason,
+                FailureReason::Connection | FailureReason::Timeout
+            ),
+            _ => false,
         }
     }
 }
@@ -77,6 +95,9 @@ pub struct Relay {
     budget: ByteBudget,
     /// What a sweep reserves of the budget before it reads its batch.
     budget_share: usize,
+    /// Since when each tenant's oldest row has waited, as the poll saw it;
+    /// `/healthz` reads it (see `lag`).
+    pub lag: LagTracker,
     /// Milliseconds since `started` at the scheduler's last turn; read by `/livez`.
     heartbeat_ms: AtomicU64,
     started: Instant,
@@ -91,6 +112,7 @@ impl Relay {
             store,
             publisher,
             metrics,
+            lag: LagTracker::new(),
             heartbeat_ms: AtomicU64::new(0),
             started: Instant::now(),
         }
@@ -210,5 +232,43 @@ impl Relay {
             None if full => SweepOutcome::Published { rows: published },
             None => SweepOutcome::Idle { rows: published },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(reason: FailureReason) -> SweepOutcome {
+        SweepOutcome::Failed(SweepFailure::Refused {
+            id: 1,
+            published: 0,
+            refusal: Refusal::new(reason, "detail"),
+        })
+    }
+
+    #[test]
+    fn outages_are_told_from_a_tenants_own_failures() {
+        for reason in [FailureReason::Connection, FailureReason::Timeout] {
+            assert!(refused(reason).is_outage(), "{reason:?}");
+        }
+        for reason in [
+            FailureReason::Nack,
+            FailureReason::Unroutable,
+            FailureReason::TooLarge,
+            FailureReason::Invalid,
+            FailureReason::Other,
+        ] {
+            assert!(!refused(reason).is_outage(), "{reason:?}");
+        }
+        let deadline = StoreError::Timeout("the claim", Duration::from_secs(10));
+        assert!(SweepOutcome::Failed(deadline.into()).is_outage());
+        let unfit = StoreError::PayloadColumn {
+            table: "\"public\".\"outbox_message\"".into(),
+            found: Some("bytea".into()),
+        };
+        assert!(!SweepOutcome::Failed(unfit.into()).is_outage());
+        assert!(!SweepOutcome::Failed(SweepFailure::Aborted("panic".into())).is_outage());
+        assert!(!SweepOutcome::Idle { rows: 0 }.is_outage());
     }
 }

@@ -3,12 +3,20 @@
 //!
 //! - `published` (a full batch): at once, behind the other ready tenants;
 //! - `idle`, `skipped`: when the poll next finds rows pending for it;
-//! - `failed`: after its own back-off, while every other tenant goes on.
+//! - `failed` by the tenant's own doing (a refused row, a statement the
+//!   server refused): after its own back-off, while every other tenant goes on;
+//! - `failed` by an outage (the database unreachable, the broker connection
+//!   lost, absent or timed out): when the next successful poll finds rows
+//!   pending for it, at once. An outage is no tenant's failure: it neither
+//!   counts nor grows a back-off.
 //!
 //! One poll statement per `poll_ms` finds the tenants with pending rows (and
-//! their lag, the one source of the lag gauge), so an idle relay costs the
-//! same whatever the number of tenants. At most `concurrency` sweeps run at
-//! once; none starts while the broker is down.
+//! their lag, the one source of the lag gauge; see `lag`), so an idle relay
+//! costs the same whatever the number of tenants. At most `concurrency` sweeps
+//! run at once; none starts while the broker is down or the last poll found
+//! the database unreachable. Before its first successful poll the scheduler
+//! checks the table's `payload` column; an unfit one stops all relaying until
+//! it is fixed.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::pin::Pin;
@@ -22,12 +30,13 @@ use crate::backoff::Backoff;
 use crate::domain::Outcome;
 use crate::relay::{Relay, SweepFailure, SweepOutcome};
 use crate::shutdown::Shutdown;
-use crate::store::StoreError;
+use crate::store::{PendingTenant, StoreError};
 
 /// Where a tenant is in the schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
-    /// Nothing known to be pending; the poll wakes it.
+    /// Nothing known to be pending, or its last sweep met an outage; the poll
+    /// wakes it.
     Idle,
     /// Waiting in the ready queue.
     Ready,
@@ -137,6 +146,14 @@ impl Schedule {
         }
     }
 
+    /// Records a sweep that failed because the database or the broker could
+    /// not be reached: not the tenant's failure. Its count of failures and its
+    /// back-off stay as they were; it waits for the next poll that finds its
+    /// rows, and is ready at once then.
+    pub fn interrupted(&mut self, tenant: usize) {
+        self.states[tenant] = State::Idle;
+    }
+
     /// The earliest instant a backing-off tenant becomes ready.
     pub fn next_wake(&self) -> Option<Instant> {
         self.states
@@ -169,8 +186,16 @@ impl Schedule {
 /// How many distinct unconfigured tenants are warned about (once each).
 const UNCONFIGURED_WARNINGS: usize = 100;
 
-/// The poll statement in flight: tenants with pending rows and their lag.
-type Poll = Pin<Box<dyn Future<Output = Result<Vec<(String, i64)>, StoreError>> + Send>>;
+/// The poll in flight: tenants with pending rows, their lowest pending ids
+/// and lag; and whether the payload column was found fit by a check that
+/// went with it.
+type Poll = Pin<Box<dyn Future<Output = Result<Polled, StoreError>> + Send>>;
+
+/// What a successful poll found.
+struct Polled {
+    pending: Vec<PendingTenant>,
+    payload_checked: bool,
+}
 
 /// Runs the scheduler until `shutdown` fires, then drains running sweeps
 /// within `shutdown_grace_ms`.
@@ -206,6 +231,11 @@ struct Scheduler {
     next_poll: Instant,
     /// What the last poll said of the database, once there was one.
     database_up: Option<bool>,
+    /// The payload column was found fit (checked until it is).
+    payload_checked: bool,
+    /// The error of the poll that last failed with the server answering,
+    /// logged once until the poll succeeds or fails otherwise.
+    poll_error: Option<String>,
     /// Unconfigured tenants already warned about.
     unconfigured: HashSet<String>,
 }
@@ -225,6 +255,8 @@ impl Scheduler {
             poll: None,
             next_poll: Instant::now(),
             database_up: None,
+            payload_checked: false,
+            poll_error: None,
             unconfigured: HashSet::new(),
         }
     }
@@ -235,7 +267,15 @@ impl Scheduler {
         let poll_interval = self.relay.config.poll_interval();
         if self.poll.is_none() && now >= self.next_poll {
             let relay = self.relay.clone();
-            self.poll = Some(Box::pin(async move { relay.store.pending_tenants().await }));
+            let check = !self.payload_checked;
+            self.poll = Some(Box::pin(async move {
+                let payload_checked = !check || relay.store.check_payload_type().await?;
+                let pending = relay.store.pending_tenants().await?;
+                Ok(Polled {
+                    pending,
+                    payload_checked,
+                })
+            }));
             self.next_poll = now + poll_interval;
         }
         for woken in self.schedule.wake(now) {
@@ -243,7 +283,7 @@ impl Scheduler {
                 .metrics
                 .set_backoff(self.schedule.name(woken), Duration::ZERO);
         }
-        if self.relay.publisher.is_ready() {
+        if self.relay.publisher.is_ready() && self.database_up != Some(false) {
             while self.sweeps.len() < self.relay.config.concurrency {
                 let Some(tenant) = self.schedule.next_ready() else {
                     break;
@@ -277,35 +317,67 @@ impl Scheduler {
         };
         let name = self.schedule.name(tenant).clone();
         report(&name, &outcome);
-        let delay = self
-            .schedule
-            .finished(tenant, outcome.kind(), Instant::now());
+        let delay = if outcome.is_outage() {
+            self.schedule.interrupted(tenant);
+            Duration::ZERO
+        } else {
+            self.schedule
+                .finished(tenant, outcome.kind(), Instant::now())
+        };
         self.relay.metrics.set_backoff(&name, delay);
     }
 
-    /// The poll answered: the database is up or down, each tenant's lag, and
-    /// the tenants with rows pending join the ready queue.
-    fn polled(&mut self, result: Result<Vec<(String, i64)>, StoreError>) {
-        let pending = match result {
-            Ok(pending) => pending,
-            Err(error) => {
+    /// The poll answered: the database is reachable or not, each tenant's
+    /// lag, and the tenants with rows pending join the ready queue. A poll
+    /// that the server answered with an error (a data error, a permission, an
+    /// unfit payload column) leaves the database up, and is logged once as
+    /// what it is.
+    fn polled(&mut self, result: Result<Polled, StoreError>) {
+        let Polled {
+            pending,
+            payload_checked,
+        } = match result {
+            Ok(polled) => polled,
+            Err(error) if error.is_unreachable() => {
                 if self.database_up != Some(false) {
                     tracing::warn!(%error, "database unreachable; retrying every poll interval");
                 }
+                self.poll_error = None;
                 self.database_is(false);
                 return;
             }
+            Err(error) => {
+                self.reachable();
+                let text = error.to_string();
+                if self.poll_error.as_deref() != Some(text.as_str()) {
+                    tracing::error!(
+                        error = %text,
+                        "the poll failed: the database answered with an error; nothing is swept until a poll succeeds, retrying every poll interval"
+                    );
+                    self.poll_error = Some(text);
+                }
+                return;
+            }
         };
-        if self.database_up != Some(true) {
-            tracing::info!("database reachable");
+        self.reachable();
+        if self.poll_error.take().is_some() {
+            tracing::info!("the poll succeeds again");
         }
-        self.database_is(true);
-        let lags: HashMap<&str, i64> = pending.iter().map(|(t, lag)| (t.as_str(), *lag)).collect();
+        self.payload_checked |= payload_checked;
+        let now = Instant::now();
+        let oldest: HashMap<&str, &PendingTenant> =
+            pending.iter().map(|p| (p.tenant.as_str(), p)).collect();
         for tenant in &self.relay.config.tenants {
-            let lag = lags.get(tenant.as_str()).copied().unwrap_or(0);
+            let found = oldest.get(tenant.as_str());
+            let lag = self.relay.lag.observe(
+                tenant,
+                found.map(|p| p.oldest_id),
+                found.map_or(0, |p| p.lag_ms),
+                now,
+            );
             self.relay.metrics.set_lag(tenant, lag);
         }
-        for (tenant, _) in &pending {
+        for PendingTenant { tenant, .. } in &pending {
             if !self.schedule.knows(tenant)
                 && self.unconfigured.len() < UNCONFIGURED_WARNINGS
                 && self.unconfigured.insert(tenant.clone())
@@ -317,7 +389,15 @@ impl Scheduler {
             }
         }
         self.schedule
-            .pending(pending.iter().map(|(t, _)| t.as_str()), random_offset());
+            .pending(pending.iter().map(|p| p.tenant.as_str()), random_offset());
+    }
+
+    /// The database answered the poll, with rows or with an error.
+    fn reachable(&mut self) {
+        if self.database_up != Some(true) {
+            tracing::info!("database reachable");
+        }
+        self.database_is(true);
     }
 
     fn database_is(&mut self, up: bool) {
@@ -388,6 +468,14 @@ fn report(tenant: &str, outcome: &SweepOutcome) {
         ),
         SweepOutcome::Failed(SweepFailure::Aborted(error)) => {
             tracing::error!(tenant, reason = "aborted", %error, "sweep failed")
+        }
+        SweepOutcome::Failed(SweepFailure::Store(error)) if error.is_unreachable() => {
+            tracing::warn!(
+                tenant,
+                reason = "database",
+                %error,
+                "sweep failed: database unreachable; the tenant waits for the next successful poll"
+            )
         }
         SweepOutcome::Failed(SweepFailure::Store(error)) => {
             tracing::warn!(tenant, reason = "database", %error, "sweep failed")
@@ -498,6 +586,54 @@ mod tests {
             order,
             [2, 3, 0, 1],
             "rotated by the offset, every tenant once"
+        );
+    }
+
+    #[test]
+    fn an_outage_is_no_tenants_failure_and_they_resume_at_the_next_poll() {
+        let mut s = tenants(3);
+        let now = Instant::now();
+        s.pending(["t0", "t1", "t2"], 0);
+        // Every running sweep meets the outage (database or broker gone).
+        for _ in 0..3 {
+            let t = s.next_ready().unwrap();
+            s.interrupted(t);
+        }
+        assert_eq!(s.next_wake(), None, "no tenant backs off");
+        assert!(!s.has_ready(), "they wait for a poll, not a timer");
+        // However long the outage, the first successful poll readies them all.
+        s.wake(now + Duration::from_secs(60));
+        assert!(!s.has_ready());
+        s.pending(["t0", "t1", "t2"], 0);
+        let order: Vec<usize> = std::iter::from_fn(|| s.next_ready()).collect();
+        assert_eq!(order, [0, 1, 2], "every tenant at once");
+        // Their first failure of their own afterwards is a first failure.
+        assert_eq!(
+            s.finished(0, Outcome::Failed, now),
+            Duration::from_millis(200),
+            "nothing was counted against t0"
+        );
+    }
+
+    #[test]
+    fn an_outage_keeps_a_tenants_own_back_off_as_it_was() {
+        let mut s = tenants(1);
+        let now = Instant::now();
+        s.pending(["t0"], 0);
+        s.next_ready();
+        assert_eq!(
+            s.finished(0, Outcome::Failed, now),
+            Duration::from_millis(200)
+        );
+        s.wake(now + Duration::from_millis(200));
+        s.next_ready();
+        s.interrupted(0);
+        s.pending(["t0"], 0);
+        assert_eq!(s.next_ready(), Some(0), "ready at the poll, no back-off");
+        assert_eq!(
+            s.finished(0, Outcome::Failed, now),
+            Duration::from_millis(400),
+            "its own refusals still count: neither grown nor reset by the outage"
         );
     }
 

@@ -1,5 +1,6 @@
 //! PostgreSQL: the pool, the claim of a tenant, the read of its batch, the
-//! marking of what the broker confirmed, and the lag queries. Every statement
+//! marking of what the broker confirmed, the lag queries, and the check of the
+//! table's `payload` column. Every statement
 //! the relay runs is in `src/store/*.sql`; `{table}` stands for the configured
 //! `"schema"."table"`.
 //!
@@ -51,6 +52,11 @@ const UNMARK_PUBLISHED: &str = include_str!("store/unmark_published.sql");
 const PENDING_TENANTS: &str = include_str!("store/pending_tenants.sql");
 const TENANT_LAG: &str = include_str!("store/tenant_lag.sql");
 const TENANT_STATUS: &str = include_str!("store/tenant_status.sql");
+const PAYLOAD_TYPE: &str = include_str!("store/payload_type.sql");
+
+/// The base types of `payload` that `payload::text` turns into the
+/// application's own encoding (as `format_type` names them).
+const PAYLOAD_TYPES: [&str; 4] = ["text", "character varying", "json", "jsonb"];
 
 /// A failure to talk to PostgreSQL. Its text carries the server's own message
 /// and SQLSTATE where there is one, never a password or a payload.
@@ -70,6 +76,15 @@ pub enum StoreError {
     },
     #[error("cannot build the connection pool: {0}")]
     Build(#[source] BuildError),
+    /// The table's `payload` column is missing, or of a type the relay would
+    /// not send as the application wrote it (e.g. `bytea` reads as hex).
+    #[error("{}", describe_payload_column(table, found.as_deref()))]
+    PayloadColumn {
+        /// `"schema"."table"`.
+        table: String,
+        /// The column's declared type; `None` when there is no such column.
+        found: Option<String>,
+    },
 }
 
 impl From<tokio_postgres::Error> for StoreError {
@@ -86,6 +101,45 @@ impl StoreError {
             _ => return None,
         };
         error.as_db_error().map(|db| db.code().code())
+    }
+
+    /// Whether the database could not be reached at all: no connection could
+    /// be had, the connection closed or broke, a deadline passed, or the
+    /// server is shutting down (SQLSTATE classes 08 and 57P). Anything else
+    /// is a server that answered with an error (a data error, a permission, a
+    /// missing table) or a value the relay cannot decode: the database is
+    /// reachable, and the failure belongs to what was asked.
+    pub fn is_unreachable(&self) -> bool {
+        match self {
+            StoreError::Pool(_)
+            | StoreError::Timeout(..)
+            | StoreError::RootCert { .. }
+            | StoreError::Build(_) => true,
+            StoreError::Query(error) => connection_lost(error),
+            StoreError::PayloadColumn { .. } => false,
+        }
+    }
+}
+
+/// Whether a driver error says the connection is gone rather than that the
+/// server refused a statement or a value did not decode.
+fn connection_lost(error: &tokio_postgres::Error) -> bool {
+    if let Some(db) = error.as_db_error() {
+        let code = db.code().code();
+        return code.starts_with("08") || code.starts_with("57P");
+    }
+    error.is_closed()
+        || std::error::Error::source(error).is_some_and(|cause| cause.is::<std::io::Error>())
+}
+
+fn describe_payload_column(table: &str, found: Option<&str>) -> String {
+    match found {
+        None => format!("{table} has no column \"payload\"; nothing is relayed until it has one"),
+        Some(found) => format!(
+            "column \"payload\" of {table} is {found}; the relay reads payload::text and sends it \
+             as it is, so the column must be text, varchar, json or jsonb (a {found} would not go \
+             out as the application wrote it); nothing is relayed until it is"
+        ),
     }
 }
 
@@ -113,11 +167,24 @@ fn describe_pool(error: &PoolError) -> String {
     }
 }
 
-/// A tenant's lag as the database's clock sees it.
+/// A configured tenant's lag as the database's clock sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TenantLag {
     pub tenant: String,
-    pub pending: bool,
+    /// The lowest pending id; `None` when nothing is pending.
+    pub oldest_id: Option<i64>,
+    /// The age of that row, clamped to 0 … 10,000 years; 0 when none.
+    pub lag_ms: i64,
+}
+
+/// A tenant the poll found with pending rows (configured or not).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingTenant {
+    pub tenant: String,
+    /// Its lowest pending id: the row it waits on.
+    pub oldest_id: i64,
+    /// The age of that row by the database's clock, clamped to 0 … 10,000
+    /// years (an infinite or future `occurred_at` gives 0 or the cap).
     pub lag_ms: i64,
 }
 
@@ -144,6 +211,8 @@ struct Statements {
     pending_tenants: String,
     tenant_lag: String,
     tenant_status: String,
+    /// `"schema"."table"`, for the payload column check.
+    table: String,
 }
 
 /// The outbox table of one relay: a pool and its statements.
@@ -329,6 +398,7 @@ impl Store {
                 pending_tenants: with_table(PENDING_TENANTS),
                 tenant_lag: with_table(TENANT_LAG),
                 tenant_status: with_table(TENANT_STATUS),
+                table,
             }),
             lock_key: format!("{}.{}", config.schema, config.table).into(),
             batch_size: i64::try_from(config.batch_size).unwrap_or(i64::MAX),
@@ -406,7 +476,7 @@ impl Store {
             |row| {
                 Ok(TenantLag {
                     tenant: row.try_get(0)?,
-                    pending: row.try_get(1)?,
+                    oldest_id: row.try_get(1)?,
                     lag_ms: row.try_get(2)?,
                 })
             },
@@ -434,16 +504,48 @@ impl Store {
         .await
     }
 
-    /// Every tenant with pending rows (configured or not) and its lag, one
-    /// statement whose cost does not grow with idle tenants.
-    pub async fn pending_tenants(&self) -> Result<Vec<(String, i64)>, StoreError> {
+    /// Every tenant with pending rows (configured or not), its lowest pending
+    /// id and its lag, one statement whose cost does not grow with idle
+    /// tenants.
+    pub async fn pending_tenants(&self) -> Result<Vec<PendingTenant>, StoreError> {
         self.query_all(
             "the poll query",
             &self.statements.pending_tenants,
             &[],
-            |row| Ok((row.try_get(0)?, row.try_get(1)?)),
+            |row| {
+                Ok(PendingTenant {
+                    tenant: row.try_get(0)?,
+                    oldest_id: row.try_get(1)?,
+                    lag_ms: row.try_get(2)?,
+                })
+            },
         )
         .await
+    }
+
+    /// Checks that the `payload` column is of a type the relay sends as the
+    /// application wrote it: `text`, `varchar`, `json` or `jsonb` (or a
+    /// domain over one). `Ok(false)`: the table does not exist (yet), nothing
+    /// was checked; an unfit column is [`StoreError::PayloadColumn`].
+    pub async fn check_payload_type(&self) -> Result<bool, StoreError> {
+        let table = &self.statements.table;
+        let found = self
+            .query_all("the payload column check", PAYLOAD_TYPE, &[table], |row| {
+                let declared: Option<String> = row.try_get(0)?;
+                let base: Option<String> = row.try_get(1)?;
+                Ok(declared.zip(base))
+            })
+            .await?;
+        let Some(column) = found.into_iter().next() else {
+            return Ok(false);
+        };
+        match column {
+            Some((_, base)) if PAYLOAD_TYPES.contains(&base.as_str()) => Ok(true),
+            column => Err(StoreError::PayloadColumn {
+                table: table.clone(),
+                found: column.map(|(declared, _)| declared),
+            }),
+        }
     }
 
     /// One statement outside any sweep, on a pooled connection, within

@@ -1,22 +1,30 @@
--- The tenants that have pending rows, with the age of each one's oldest pending
--- row by the database's clock. A loose index scan over the partial index: each
--- step finds the next tenant's lowest pending id, which is also its oldest row
--- in outbox order, so one probe per tenant gives both. Its cost grows with the
--- number of tenants that have work, not with the number configured, so an idle
--- relay pays one cheap statement per poll.
-WITH RECURSIVE pending(tenant_id, occurred_at) AS (
-    (SELECT tenant_id, occurred_at FROM {table}
+-- The tenants that have pending rows, each with its lowest pending id and the
+-- age of that row by the database's clock. A loose index scan over the partial
+-- index: each step finds the next tenant's lowest pending id, which is also its
+-- oldest row in outbox order, so one probe per tenant gives both. Its cost
+-- grows with the number of tenants that have work, not with the number
+-- configured, so an idle relay pays one cheap statement per poll.
+--
+-- The age is a difference of epochs in double precision, never of timestamps
+-- (`infinity` cannot be subtracted), clamped to 0 … 10,000 years in seconds:
+-- `-infinity` is older than any finite row, `infinity` and the future are 0
+-- (and so is a NULL, which the contract's table does not allow).
+-- The same expression is in tenant_lag.sql and tenant_status.sql.
+WITH RECURSIVE pending(tenant_id, id, occurred_at) AS (
+    (SELECT tenant_id, id, occurred_at FROM {table}
      WHERE published_at IS NULL
      ORDER BY tenant_id, id LIMIT 1)
     UNION ALL
-    SELECT next.tenant_id, next.occurred_at
+    SELECT next.tenant_id, next.id, next.occurred_at
     FROM pending p
     CROSS JOIN LATERAL (
-        SELECT o.tenant_id, o.occurred_at FROM {table} o
+        SELECT o.tenant_id, o.id, o.occurred_at FROM {table} o
         WHERE o.published_at IS NULL AND o.tenant_id > p.tenant_id
         ORDER BY o.tenant_id, o.id LIMIT 1
     ) next
 )
 SELECT tenant_id,
-       GREATEST((EXTRACT(EPOCH FROM (clock_timestamp() - occurred_at)) * 1000)::bigint, 0) AS lag_ms
+       id,
+       (GREATEST(LEAST(COALESCE(date_part('epoch', clock_timestamp()) - date_part('epoch', occurred_at), 0),
+                       315576000000), 0) * 1000)::bigint AS lag_ms
 FROM pending

@@ -1,10 +1,13 @@
 -- Each configured tenant as an operator sees it: pending rows, lag, and its
 -- lowest pending row (the one that blocks it when it is refused), with its
--- attempts and last_error. For `outbox-relay status`. $1 = tenants.
+-- attempts and last_error. For `outbox-relay status`. The lag is computed as
+-- in pending_tenants.sql (epochs in double precision, clamped to 0 … 10,000
+-- years), so any `occurred_at` gives one. $1 = tenants.
 SELECT t.tenant_id,
        (SELECT count(*) FROM {table} c
         WHERE c.tenant_id >= t.tenant_id AND c.tenant_id <= t.tenant_id AND c.published_at IS NULL) AS pending,
-       GREATEST(COALESCE((EXTRACT(EPOCH FROM (clock_timestamp() - oldest.occurred_at)) * 1000)::bigint, 0), 0) AS lag_ms,
+       (GREATEST(LEAST(COALESCE(date_part('epoch', clock_timestamp()) - date_part('epoch', oldest.occurred_at), 0),
+                                315576000000), 0) * 1000)::bigint AS lag_ms,
        oldest.id,
        oldest.attempts,
        oldest.last_error

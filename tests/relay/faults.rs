@@ -516,6 +516,93 @@ async fn database_path_stalls_and_resets() {
     outbox.drop_schema().await;
 }
 
+/// 8b. The database path is cut for a while, then restored. Sweeps that met
+/// the outage are no tenant's failure: no tenant backs off for it, and once
+/// the path is back every tenant resumes within about one poll, not after a
+/// back-off grown through the outage (with the old rule, 7 s of outage left
+/// tenants waiting some 6 s more).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_tenant_resumes_within_a_poll_after_a_database_outage() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let proxy = Proxy::start(addr(DATABASE), Mode::Delay(Duration::from_millis(2))).await;
+    let tenants = names("r", 4);
+    let refs: Vec<&str> = tenants.iter().map(String::as_str).collect();
+    let mut config = config(&outbox, &broker, &refs);
+    config.database_url = database_via(&proxy).parse().expect("database url");
+    config.batch_size = 10;
+    config.max_backoff_ms = 60_000;
+    let mut committed = Committed::new();
+    write_rows(&outbox, &tenants, 2_000, &mut committed).await;
+    let relay = start_relay(config).await;
+    eventually(
+        "every tenant is being relayed",
+        Duration::from_secs(30),
+        || async {
+            let received = by_tenant(&broker.received());
+            tenants.iter().all(|t| received.contains_key(t))
+        },
+    )
+    .await;
+
+    proxy.set(Mode::Refuse);
+    proxy.reset();
+    eventually(
+        "H: /readyz reports the database down",
+        Duration::from_secs(15),
+        || async {
+            let (status, body) = relay.get("/readyz").await;
+            status == 503 && body.contains("\"database\":false")
+        },
+    )
+    .await;
+    eventually("sweeps met the outage", Duration::from_secs(15), || async {
+        sum(
+            &relay.get("/metrics").await.1,
+            "outbox_sweeps_total",
+            "outcome=\"failed\"",
+        ) >= 1.0
+    })
+    .await;
+    // The outage lasts a while: long enough for a back-off grown by it to
+    // reach seconds.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let metrics = relay.get("/metrics").await.1;
+    assert_eq!(
+        sum(&metrics, "outbox_tenant_backoff_seconds", "tenant="),
+        0.0,
+        "no tenant backs off for an outage:\n{metrics}"
+    );
+    let mut before = Vec::new();
+    for tenant in &tenants {
+        before.push(outbox.pending(tenant).await);
+    }
+    assert!(before.iter().all(|&n| n > 0), "rows left: {before:?}");
+
+    proxy.set(Mode::Pass);
+    let restored = Instant::now();
+    eventually(
+        "every tenant resumes within about one poll of the path's return",
+        Duration::from_secs(2),
+        || async {
+            for (tenant, before) in tenants.iter().zip(&before) {
+                if outbox.pending(tenant).await >= *before {
+                    return false;
+                }
+            }
+            true
+        },
+    )
+    .await;
+    let resumed = restored.elapsed();
+    let duplicates = check_history(&outbox, &broker, &committed, Duration::from_secs(60)).await;
+    assert!(duplicates <= 10 * tenants.len() * 2, "D: {duplicates}");
+    println!("every tenant resumed {resumed:?} after the path returned");
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
 /// 9. SIGTERM in the middle of a slow batch: exit 0 within the grace period.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_during_a_slow_batch() {

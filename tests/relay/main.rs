@@ -10,3 +10,4 @@ mod memory;
 mod proxy;
 mod refusals;
 mod support;
+mod values;
