@@ -25,7 +25,7 @@ WITH batch AS (
     SELECT id, kind, subject_id, payload::text AS payload, headers::jsonb AS headers,
            occurred_at,
            octet_length(kind) AS kind_bytes,
-           octet_length(subject_id) AS subject_bytes,
+           octet_length(subject_id) AS subject_id_bytes,
            octet_length(payload::text) AS payload_bytes,
            octet_length(headers::text) AS headers_bytes
     FROM {table}
@@ -37,7 +37,7 @@ WITH batch AS (
     SELECT *,
            1024
            + CASE WHEN kind_bytes <= 255 THEN kind_bytes ELSE 0 END
-           + CASE WHEN subject_bytes <= $5::bigint THEN subject_bytes ELSE 0 END
+           + CASE WHEN subject_id_bytes <= $5::bigint THEN subject_id_bytes ELSE 0 END
            + CASE WHEN headers_bytes <= $5::bigint THEN headers_bytes ELSE 0 END
            + CASE WHEN payload_bytes <= $3::bigint THEN 2 * payload_bytes::bigint ELSE 0 END
            AS cost
@@ -48,7 +48,7 @@ WITH batch AS (
 )
 SELECT id,
        CASE WHEN kind_bytes <= 255 THEN kind END AS kind, kind_bytes,
-       CASE WHEN subject_bytes <= $5::bigint THEN subject_id END AS subject_id, subject_bytes,
+       CASE WHEN subject_id_bytes <= $5::bigint THEN subject_id END AS subject_id, subject_id_bytes,
        CASE WHEN payload_bytes <= $3::bigint AND total <= $4::bigint THEN payload END AS payload,
        payload_bytes,
        CASE WHEN headers_bytes <= $5::bigint THEN headers END AS headers, headers_bytes,

@@ -9,5 +9,6 @@ mod faults;
 mod memory;
 mod proxy;
 mod refusals;
+mod rows;
 mod support;
 mod values;
