@@ -143,16 +143,25 @@ impl Relay {
                 Progress::Settled(report) => break report,
             }
         };
+        let cut_short = publishing.cut_short();
         // Settle: mark the confirmed prefix, record a refusal, commit.
         match claim.settle(&report).await {
-            Ok(rows) => self.settled(tenant, &rows, report),
+            Ok(rows) => self.settled(tenant, &rows, report, cut_short),
             // Confirmed but not marked: these rows go out again (at least once).
             Err(error) => SweepOutcome::Failed(error.into()),
         }
     }
 
-    /// Counts a settled batch and says how its sweep ended.
-    fn settled(&self, tenant: &str, rows: &[OutboxRow], report: BatchReport) -> SweepOutcome {
+    /// Counts a settled batch and says how its sweep ended. A batch `cut_short`
+    /// left rows for the next sweep (they go another way, see `publisher`):
+    /// like a full batch, it is swept again at once.
+    fn settled(
+        &self,
+        tenant: &str,
+        rows: &[OutboxRow],
+        report: BatchReport,
+        cut_short: bool,
+    ) -> SweepOutcome {
         let published = report.confirmed();
         self.metrics.count_published(tenant, published);
         for (row, confirmed_at) in rows.iter().zip(&report.confirmed_at) {
@@ -169,7 +178,7 @@ impl Relay {
                     refusal,
                 })
             }
-            None if rows.len() == self.config.batch_size => {
+            None if cut_short || rows.len() == self.config.batch_size => {
                 SweepOutcome::Published { rows: published }
             }
             None => SweepOutcome::Idle { rows: published },
