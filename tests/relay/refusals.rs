@@ -522,7 +522,17 @@ async fn marks_sent_ahead_are_invisible_until_the_commit_and_undone_past_a_late_
 /// one row's refusal must make neither flap.
 struct Steadiness {
     stop: Arc<AtomicBool>,
-    task: tokio::task::JoinHandle<(usize, Vec<String>)>,
+    /// Taken by [`Steadiness::assert_steady`]; aborted if the test fails
+    /// first (its relay's endpoints are going away).
+    task: Option<tokio::task::JoinHandle<(usize, Vec<String>)>>,
+}
+
+impl Drop for Steadiness {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
 }
 
 impl Steadiness {
@@ -553,12 +563,16 @@ impl Steadiness {
                 (samples, flaps)
             }
         });
-        Steadiness { stop, task }
+        Steadiness {
+            stop,
+            task: Some(task),
+        }
     }
 
-    async fn assert_steady(self) {
+    async fn assert_steady(mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        let (samples, flaps) = self.task.await.expect("the watch does not panic");
+        let task = self.task.take().expect("watched once");
+        let (samples, flaps) = task.await.expect("the watch does not panic");
         assert!(samples >= 10, "watched long enough: {samples} samples");
         assert!(
             flaps.is_empty(),
