@@ -104,18 +104,37 @@ impl FailureReason {
 }
 
 /// Why one row was not published. The detail is safe to log and to store in
-/// `last_error`: it never contains the payload.
+/// `last_error`: it never contains the payload nor a header's value.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Refusal {
     pub reason: FailureReason,
     pub detail: String,
+    /// Whether the refusal is known to be this row's: its own doing (the
+    /// envelope refused it, the broker nacked or returned it, or refused it
+    /// while it was alone on a channel), or a failure that nothing else of the
+    /// relay's had in flight. Only such a refusal is written on the row. The
+    /// failure of something the row shared with other tenants' rows (the
+    /// shared channel, the connection) names none of them: nobody knows yet
+    /// which row caused it.
+    pub attributed: bool,
 }
 
 impl Refusal {
+    /// A refusal known to be the row's (see [`Refusal::attributed`]).
     pub fn new(reason: FailureReason, detail: impl Into<String>) -> Refusal {
         Refusal {
             reason,
             detail: detail.into(),
+            attributed: true,
+        }
+    }
+
+    /// A failure the row met with other rows in flight beside it: recorded in
+    /// the metrics and the logs, never on the row.
+    pub fn shared(reason: FailureReason, detail: impl Into<String>) -> Refusal {
+        Refusal {
+            attributed: false,
+            ..Refusal::new(reason, detail)
         }
     }
 
@@ -154,6 +173,23 @@ impl Outcome {
             Outcome::Skipped => "skipped",
             Outcome::Failed => "failed",
         }
+    }
+}
+
+impl Payload {
+    /// The body's length in bytes, read or not.
+    pub fn len(&self) -> usize {
+        match self {
+            Payload::Body(body) => body.len(),
+            Payload::Tombstone => 0,
+            Payload::TooLarge { bytes } | Payload::OverBudget { bytes } => {
+                usize::try_from(*bytes).unwrap_or(usize::MAX)
+            }
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 

@@ -1,6 +1,28 @@
 //! The message on the wire: a row turned into routing key, properties and body,
-//! exactly as the table in `docs/design.md` says. Pure, so every field is unit-tested; a
-//! row that cannot be expressed in AMQP is a [`Refusal`], never a panic.
+//! exactly as the table in `docs/design.md` says. Pure, so every field is
+//! unit-tested; a row that cannot be expressed in AMQP, or that RabbitMQ
+//! would reject, is a [`Refusal`] (`invalid`, `too_large`) before anything is
+//! sent, never a panic nor a broker error that would close the channel or the
+//! connection the relay's sweeps share.
+//!
+//! What RabbitMQ checks of a publish (3.10, `rabbit_channel` and
+//! `rabbit_basic`), and what the envelope does about each:
+//!
+//! - the content header frame (properties with the headers table) must fit
+//!   one frame of the negotiated `frame_max`, else the broker closes the whole
+//!   connection: measured here with the AMQP library's own encoder;
+//! - the headers `CC` and `BCC` (sender-selected routing) must be arrays of
+//!   strings, else `406 PRECONDITION_FAILED`: a row's headers cannot carry an
+//!   array, so a row header with either name is refused;
+//! - short strings (routing key, `type`, `message_id`, header names) are at
+//!   most 255 bytes;
+//! - `delivery_mode` must be 1 or 2 and `expiration` a number: the relay
+//!   sets 2 and no expiration;
+//! - the body must not exceed the broker's `max_message_size`, which AMQP does
+//!   not announce: the publisher learns it from the broker's first refusal.
+//!
+//! No other header, `x-` prefixed ones included, is type-checked by the broker
+//! when a message is published.
 
 use bytes::Bytes;
 use lapin::BasicProperties;
@@ -22,6 +44,18 @@ pub const RESERVED_HEADERS: [&str; 5] = [
     "outbox-tombstone",
 ];
 
+/// Headers RabbitMQ reads for routing (sender-selected distribution) and
+/// requires to be arrays of strings, which a row's headers cannot express.
+pub const ROUTING_HEADERS: [&str; 2] = ["CC", "BCC"];
+
+/// Bytes of a content header frame besides its properties: frame type (1),
+/// channel (2), payload size (4), class (2), weight (2), body size (8), frame
+/// end (1).
+pub const CONTENT_HEADER_OVERHEAD: usize = 20;
+
+/// How much of a header name a refusal quotes.
+const NAME_IN_ERRORS: usize = 64;
+
 /// What is fixed for every message of a relay.
 #[derive(Debug, Clone)]
 pub struct Envelope {
@@ -41,8 +75,14 @@ pub struct Message {
 }
 
 impl Envelope {
-    /// The message for `row` of `tenant`.
-    pub fn message(&self, tenant: &str, row: &OutboxRow) -> Result<Message, Refusal> {
+    /// The message for `row` of `tenant`, on a connection whose negotiated
+    /// frame size is `frame_max`.
+    pub fn message(
+        &self,
+        tenant: &str,
+        row: &OutboxRow,
+        frame_max: u32,
+    ) -> Result<Message, Refusal> {
         let too_large = |bytes: u64| {
             Refusal::new(
                 FailureReason::TooLarge,
@@ -79,7 +119,7 @@ impl Envelope {
             .format(&Rfc3339)
             .map_err(|e| {
                 Refusal::new(
-                    FailureReason::Other,
+                    FailureReason::Invalid,
                     format!("occurred_at cannot be formatted: {e}"),
                 )
             })?;
@@ -103,6 +143,7 @@ impl Envelope {
             .with_content_type(self.content_type.clone())
             .with_app_id(APP_ID.into())
             .with_headers(headers);
+        fits_one_frame(&properties, frame_max)?;
         Ok(Message {
             routing_key,
             properties,
@@ -111,11 +152,61 @@ impl Envelope {
     }
 }
 
+/// The size of the content header frame that carries `properties`, encoded
+/// by the AMQP library exactly as it will be sent.
+pub fn content_header_frame_len(properties: &BasicProperties) -> Result<usize, Refusal> {
+    let encode = lapin::protocol::basic::gen_properties(properties);
+    let written = encode(Vec::new().into()).map_err(|e| {
+        Refusal::new(
+            FailureReason::Invalid,
+            format!("the message's properties cannot be encoded: {e:?}"),
+        )
+    })?;
+    Ok(CONTENT_HEADER_OVERHEAD + written.write.len())
+}
+
+/// RabbitMQ closes the whole connection on a frame over `frame_max`, and the
+/// properties (headers included) travel in one frame: refuse the row instead.
+fn fits_one_frame(properties: &BasicProperties, frame_max: u32) -> Result<(), Refusal> {
+    let len = content_header_frame_len(properties)?;
+    let limit = usize::try_from(frame_max).unwrap_or(usize::MAX);
+    if len <= limit {
+        return Ok(());
+    }
+    let largest = properties.headers().as_ref().and_then(|headers| {
+        headers
+            .inner()
+            .iter()
+            .max_by_key(|(_, value)| value_len(value))
+            .map(|(name, value)| (name.as_str(), value_len(value)))
+    });
+    let mut detail = format!(
+        "properties and headers take {len} bytes, over the broker's frame_max ({frame_max}): \
+         they must fit one frame"
+    );
+    if let Some((name, bytes)) = largest {
+        detail.push_str(&format!(
+            "; largest header {:?} ({bytes} bytes)",
+            truncate(name)
+        ));
+    }
+    Err(Refusal::new(FailureReason::Invalid, detail))
+}
+
+/// About what a header value takes on the wire (to name the largest one).
+fn value_len(value: &AMQPValue) -> usize {
+    match value {
+        AMQPValue::LongString(s) => s.as_bytes().len(),
+        AMQPValue::ShortString(s) => s.as_str().len(),
+        _ => 8,
+    }
+}
+
 fn short(value: String, what: &str) -> Result<ShortString, Refusal> {
     let len = value.len();
     ShortString::try_new(value).map_err(|_| {
         Refusal::new(
-            FailureReason::Other,
+            FailureReason::Invalid,
             format!("{what} is {len} bytes; AMQP allows at most 255"),
         )
     })
@@ -130,7 +221,7 @@ fn long_string(value: &str) -> AMQPValue {
 fn merge_row_headers(headers: &mut FieldTable, extra: &serde_json::Value) -> Result<(), Refusal> {
     let serde_json::Value::Object(map) = extra else {
         return Err(Refusal::new(
-            FailureReason::Other,
+            FailureReason::Invalid,
             format!("headers must be a JSON object, found {}", json_kind(extra)),
         ));
     };
@@ -148,7 +239,7 @@ fn merge_row_headers(headers: &mut FieldTable, extra: &serde_json::Value) -> Res
             },
             other => {
                 return Err(Refusal::new(
-                    FailureReason::Other,
+                    FailureReason::Invalid,
                     format!(
                         "header {:?} is {}; only strings, numbers and booleans are allowed",
                         truncate(name),
@@ -157,11 +248,22 @@ fn merge_row_headers(headers: &mut FieldTable, extra: &serde_json::Value) -> Res
                 ));
             }
         };
+        if ROUTING_HEADERS.contains(&name.as_str()) {
+            return Err(Refusal::new(
+                FailureReason::Invalid,
+                format!(
+                    "header {name:?} is reserved by RabbitMQ for sender-selected routing \
+                     and must be an array of strings; the broker would refuse {}",
+                    json_kind(value)
+                ),
+            ));
+        }
         let key = ShortString::try_new(name.clone()).map_err(|_| {
             Refusal::new(
-                FailureReason::Other,
+                FailureReason::Invalid,
                 format!(
-                    "a header name is {} bytes; AMQP allows at most 255",
+                    "header name {:?}… is {} bytes; AMQP allows at most 255",
+                    truncate(name),
                     name.len()
                 ),
             )
@@ -182,8 +284,9 @@ fn json_kind(value: &serde_json::Value) -> &'static str {
     }
 }
 
+/// A header name as a refusal quotes it: its first characters only.
 fn truncate(name: &str) -> String {
-    name.chars().take(64).collect()
+    name.chars().take(NAME_IN_ERRORS).collect()
 }
 
 #[cfg(test)]
@@ -191,6 +294,9 @@ mod tests {
     use super::*;
     use serde_json::json;
     use time::macros::datetime;
+
+    /// RabbitMQ's default `frame_max`.
+    const FRAME_MAX: u32 = 131_072;
 
     fn envelope() -> Envelope {
         Envelope {
@@ -215,6 +321,10 @@ mod tests {
         }
     }
 
+    fn message(r: &OutboxRow) -> Result<Message, Refusal> {
+        envelope().message("acme", r, FRAME_MAX)
+    }
+
     fn header<'a>(m: &'a Message, name: &str) -> Option<&'a AMQPValue> {
         m.properties
             .headers()
@@ -225,7 +335,7 @@ mod tests {
     #[test]
     fn every_field_of_the_design_table() {
         let r = row(Some("{\"a\":1}"), None);
-        let m = envelope().message("acme", &r).unwrap();
+        let m = message(&r).unwrap();
         assert_eq!(m.routing_key.as_str(), "acme.order.created");
         assert_eq!(m.body, &b"{\"a\":1}"[..]);
         let p = &m.properties;
@@ -257,7 +367,7 @@ mod tests {
     #[test]
     fn a_null_payload_is_a_tombstone_with_an_empty_body() {
         let r = row(None, None);
-        let m = envelope().message("acme", &r).unwrap();
+        let m = message(&r).unwrap();
         assert!(m.body.is_empty());
         assert_eq!(
             header(&m, "outbox-tombstone"),
@@ -275,33 +385,35 @@ mod tests {
                 "ratio": 0.5,
                 "replay": false,
                 "gone": null,
+                "cc": "lower case is not the routing header",
+                "CC": null,
                 "outbox-id": "forged",
                 "outbox-tombstone": true
             })),
         );
-        let m = envelope().message("acme", &r).unwrap();
+        let m = message(&r).unwrap();
         assert_eq!(header(&m, "traceparent"), Some(&long_string("00-abc-01")));
         assert_eq!(header(&m, "retries"), Some(&AMQPValue::LongLongInt(3)));
         assert_eq!(header(&m, "ratio"), Some(&AMQPValue::Double(0.5)));
         assert_eq!(header(&m, "replay"), Some(&AMQPValue::Boolean(false)));
         assert_eq!(header(&m, "gone"), None);
+        assert_eq!(header(&m, "CC"), None, "null means absent");
+        assert!(header(&m, "cc").is_some());
         assert_eq!(header(&m, "outbox-id"), Some(&AMQPValue::LongLongInt(r.id)));
         assert_eq!(header(&m, "outbox-tombstone"), None);
     }
 
     #[test]
-    fn malformed_headers_are_refused_with_a_reason() {
-        let refusal = envelope()
-            .message("acme", &row(Some("x"), Some(json!([1, 2]))))
-            .unwrap_err();
-        assert_eq!(refusal.reason, FailureReason::Other);
+    fn malformed_headers_are_refused_as_invalid() {
+        let refusal = message(&row(Some("x"), Some(json!([1, 2])))).unwrap_err();
+        assert_eq!(refusal.reason, FailureReason::Invalid);
+        assert!(refusal.attributed);
         assert_eq!(
             refusal.last_error(),
-            "other: headers must be a JSON object, found an array"
+            "invalid: headers must be a JSON object, found an array"
         );
-        let refusal = envelope()
-            .message("acme", &row(Some("x"), Some(json!({"nested": {"a": 1}}))))
-            .unwrap_err();
+        let refusal = message(&row(Some("x"), Some(json!({"nested": {"a": 1}})))).unwrap_err();
+        assert_eq!(refusal.reason, FailureReason::Invalid);
         assert!(
             refusal.detail.contains("\"nested\" is an object"),
             "{refusal:?}"
@@ -309,30 +421,113 @@ mod tests {
     }
 
     #[test]
+    fn routing_headers_rabbitmq_type_checks_are_refused_naming_only_the_header() {
+        for name in ROUTING_HEADERS {
+            for value in [json!("secret-route"), json!(7), json!(true)] {
+                let r = row(Some("x"), Some(json!({ name: value })));
+                let refusal = message(&r).unwrap_err();
+                assert_eq!(refusal.reason, FailureReason::Invalid, "{name}");
+                assert!(
+                    refusal
+                        .detail
+                        .starts_with(&format!("header \"{name}\" is reserved by RabbitMQ")),
+                    "{refusal:?}"
+                );
+                assert!(!refusal.detail.contains("secret-route"), "no header value");
+            }
+        }
+    }
+
+    #[test]
+    fn an_overlong_header_name_is_refused_and_quoted_only_in_part() {
+        let name = "n".repeat(300);
+        let refusal = message(&row(Some("x"), Some(json!({ name: 1 })))).unwrap_err();
+        assert_eq!(refusal.reason, FailureReason::Invalid);
+        assert!(refusal.detail.contains("is 300 bytes"), "{refusal:?}");
+        assert!(refusal.detail.len() < 200, "{refusal:?}");
+    }
+
+    #[test]
+    fn the_content_header_frame_is_measured_as_the_library_encodes_it() {
+        // Frame header 7, class 2, weight 2, body size 8, property flags 2,
+        // frame end 1: nothing else without properties.
+        let empty = BasicProperties::default();
+        assert_eq!(content_header_frame_len(&empty).unwrap(), 22);
+        // A short string: one length byte and its bytes.
+        let typed = BasicProperties::default().with_type("abc".into());
+        assert_eq!(content_header_frame_len(&typed).unwrap(), 22 + 1 + 3);
+        // A table: four length bytes, then per field a short-string name, a
+        // type byte and the value (a long string: four length bytes and its bytes).
+        let mut headers = FieldTable::default();
+        headers.insert("k".into(), long_string("vv"));
+        let with_headers = BasicProperties::default().with_headers(headers);
+        assert_eq!(
+            content_header_frame_len(&with_headers).unwrap(),
+            22 + 4 + (1 + 1) + 1 + (4 + 2)
+        );
+    }
+
+    #[test]
+    fn headers_must_fit_one_frame_of_frame_max() {
+        let fits = row(Some("x"), Some(json!({"big": "v".repeat(1_000)})));
+        let m = message(&fits).unwrap();
+        let exact = content_header_frame_len(&m.properties).unwrap();
+        let at_limit = envelope().message("acme", &fits, exact as u32);
+        assert!(at_limit.is_ok(), "a frame of exactly frame_max fits");
+        let refusal = envelope()
+            .message("acme", &fits, exact as u32 - 1)
+            .unwrap_err();
+        assert_eq!(refusal.reason, FailureReason::Invalid);
+        assert_eq!(
+            refusal.detail,
+            format!(
+                "properties and headers take {exact} bytes, over the broker's frame_max ({}): \
+                 they must fit one frame; largest header \"big\" (1000 bytes)",
+                exact - 1
+            )
+        );
+
+        // 200 kB in one header, the broker's default frame_max.
+        let huge = row(Some("x"), Some(json!({"blob": "v".repeat(200_000)})));
+        let refusal = message(&huge).unwrap_err();
+        assert_eq!(refusal.reason, FailureReason::Invalid);
+        assert!(refusal.detail.contains("(131072)"), "{refusal:?}");
+        assert!(!refusal.detail.contains("vvvv"), "no header value");
+    }
+
+    #[test]
     fn an_oversized_payload_is_refused_without_its_content() {
         let r = row(Some("0123456789abcdefX"), None);
-        let refusal = envelope().message("acme", &r).unwrap_err();
+        let refusal = message(&r).unwrap_err();
         assert_eq!(refusal.reason, FailureReason::TooLarge);
         assert_eq!(
             refusal.detail,
             "payload is 17 bytes, over max_payload_bytes (16)"
         );
-        assert!(
-            envelope()
-                .message("acme", &row(Some("0123456789abcdef"), None))
-                .is_ok()
-        );
+        assert!(message(&row(Some("0123456789abcdef"), None)).is_ok());
     }
 
     #[test]
-    fn an_overlong_routing_key_is_refused_not_a_panic() {
+    fn an_overlong_routing_key_or_kind_is_refused_not_a_panic() {
         let mut r = row(Some("x"), None);
         r.kind = "k".repeat(300);
-        let refusal = envelope().message("acme", &r).unwrap_err();
-        assert_eq!(refusal.reason, FailureReason::Other);
+        let refusal = message(&r).unwrap_err();
+        assert_eq!(refusal.reason, FailureReason::Invalid);
         assert!(
             refusal.detail.starts_with("routing key is 305 bytes"),
             "{refusal:?}"
+        );
+        let mut r = row(Some("x"), None);
+        r.kind = "k".repeat(256);
+        let refusal = Envelope {
+            routing_key: RoutingKey::parse("{tenant}").unwrap(),
+            ..envelope()
+        }
+        .message("acme", &r, FRAME_MAX)
+        .unwrap_err();
+        assert_eq!(
+            refusal.last_error(),
+            "invalid: kind (the message type) is 256 bytes; AMQP allows at most 255"
         );
     }
 }

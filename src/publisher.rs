@@ -9,8 +9,15 @@
 //! collector settles the confirms, each within `confirm_timeout_ms` of its
 //! send. The sweep drives a [`Publishing`], which tells it each time the
 //! confirmed prefix has grown by a step, and at last the batch's report.
+//!
+//! A row that may make the broker close a channel (a suspect, see
+//! `isolation`) goes alone, on a channel of its own: a batch is published
+//! either as a run of such rows, one at a time, or as a run of the others on
+//! the shared channel, and the rest of it is left to the next sweep. A
+//! channel-level error never takes the connection down.
 
 mod confirms;
+mod isolation;
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -19,7 +26,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::{FieldTable, ShortString};
-use lapin::{Connection, ConnectionProperties, Event, ExchangeKind};
+use lapin::{Channel, Connection, ConnectionProperties, Event, ExchangeKind};
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
@@ -28,6 +35,7 @@ use crate::config::{AmqpTarget, Config};
 use crate::domain::{BatchReport, FailureReason, Lease, OutboxRow, Refusal};
 use crate::envelope::Envelope;
 use confirms::{Batch, ConfirmChannel};
+use isolation::Isolation;
 
 /// Deadline for connecting (TCP, TLS, AMQP handshake) and for opening a channel.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -54,14 +62,14 @@ pub enum PublishError {
 }
 
 impl PublishError {
-    /// What a batch that met this error records for its first row: the
-    /// broker's trouble, not the row's.
+    /// What a batch that met this error reports for its first row: the
+    /// broker's trouble, not the row's, so nothing is written on the row.
     fn refusal(&self) -> Refusal {
         let reason = match self {
             PublishError::ChannelTimeout => FailureReason::Timeout,
             _ => FailureReason::Connection,
         };
-        Refusal::new(reason, self.to_string())
+        Refusal::shared(reason, self.to_string())
     }
 }
 
@@ -97,18 +105,43 @@ impl Session {
     }
 
     /// The shared channel, opened anew if there is none or it failed.
-    async fn confirm_channel(self: &Arc<Self>) -> Result<Arc<ConfirmChannel>, lapin::Error> {
+    async fn confirm_channel(
+        self: &Arc<Self>,
+        inner: &Inner,
+    ) -> Result<Arc<ConfirmChannel>, lapin::Error> {
         let mut slot = self.confirm_channel.lock().await;
         if let Some(channel) = slot.as_ref().filter(|c| c.is_usable()) {
             return Ok(channel.clone());
         }
+        let channel = self.open_channel(inner).await?;
+        let channel = ConfirmChannel::start(
+            channel,
+            self.frame_max(),
+            Arc::downgrade(self),
+            inner.isolation.clone(),
+        );
+        *slot = Some(channel.clone());
+        Ok(channel)
+    }
+
+    /// A new confirm-mode channel. With `declare_exchange`, the exchange is
+    /// declared on it first, so that one deleted while the relay runs (which
+    /// failed the channel before) is there again.
+    async fn open_channel(&self, inner: &Inner) -> Result<Channel, lapin::Error> {
         let channel = self.connection.create_channel().await?;
+        if inner.declare_exchange {
+            inner.declare_exchange(&channel).await?;
+        }
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
-        let channel = ConfirmChannel::start(channel, Arc::downgrade(self));
-        *slot = Some(channel.clone());
         Ok(channel)
+    }
+
+    /// The negotiated frame size: every message's properties must fit one
+    /// frame.
+    fn frame_max(&self) -> u32 {
+        self.connection.configuration().frame_max()
     }
 }
 
@@ -123,6 +156,24 @@ struct Inner {
     confirm_timeout: Duration,
     session: Mutex<Option<Arc<Session>>>,
     connected: watch::Sender<bool>,
+    /// Rows to send alone, and what the broker's refusals taught.
+    isolation: Arc<Isolation>,
+}
+
+impl Inner {
+    async fn declare_exchange(&self, channel: &Channel) -> Result<(), lapin::Error> {
+        channel
+            .exchange_declare(
+                self.exchange.clone(),
+                self.exchange_kind.clone(),
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..ExchangeDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+    }
 }
 
 /// The relay's side of the broker. Cheap to clone.
@@ -156,6 +207,7 @@ impl Publisher {
                 confirm_timeout: config.confirm_timeout(),
                 session: Mutex::new(None),
                 connected,
+                isolation: Arc::new(Isolation::new(&config.exchange, config.declare_exchange)),
             }),
         })
     }
@@ -240,17 +292,7 @@ impl Publisher {
         let connection = Connection::connect_uri(self.inner.target.uri.clone(), properties).await?;
         if self.inner.declare_exchange {
             let channel = connection.create_channel().await?;
-            channel
-                .exchange_declare(
-                    self.inner.exchange.clone(),
-                    self.inner.exchange_kind.clone(),
-                    ExchangeDeclareOptions {
-                        durable: true,
-                        ..ExchangeDeclareOptions::default()
-                    },
-                    FieldTable::default(),
-                )
-                .await?;
+            self.inner.declare_exchange(&channel).await?;
             let _ = channel.close(200, "declared".into()).await;
         }
         Ok(Arc::new(Session {
@@ -295,20 +337,25 @@ impl Publisher {
     }
 
     /// Starts publishing `rows` of `tenant`, in order, while `lease` holds:
-    /// the caller drives it with [`Publishing::next`].
+    /// the caller drives it with [`Publishing::next`]. Only the first run of
+    /// rows that go the same way (alone, or on the shared channel) is
+    /// published: see [`Publishing::cut_short`].
     pub fn publish<'a>(
         &'a self,
         tenant: &'a str,
         rows: &'a [OutboxRow],
         lease: &'a dyn Lease,
     ) -> Publishing<'a> {
+        let (alone, run) = self.inner.isolation.first_run(rows);
         Publishing {
             publisher: self,
             tenant,
-            rows,
+            rows: &rows[..run],
+            cut_short: run < rows.len(),
+            alone,
             lease,
             channel: None,
-            batch: Batch::new(rows.len()),
+            batch: Batch::new(run),
             sent: 0,
             sending: true,
             prefix: 0,
@@ -319,7 +366,23 @@ impl Publisher {
     /// The session's shared confirm channel; a failure drops the connection.
     async fn confirm_channel(&self) -> Result<Arc<ConfirmChannel>, PublishError> {
         let session = self.session().ok_or(PublishError::NotConnected)?;
-        let opened = tokio::time::timeout(CONNECT_TIMEOUT, session.confirm_channel()).await;
+        let opened =
+            tokio::time::timeout(CONNECT_TIMEOUT, session.confirm_channel(&self.inner)).await;
+        self.opened(opened)
+    }
+
+    /// A confirm-mode channel of its own, for rows sent alone, and the
+    /// connection's frame size; a failure drops the connection.
+    async fn channel_alone(&self) -> Result<(Channel, u32), PublishError> {
+        let session = self.session().ok_or(PublishError::NotConnected)?;
+        let opened = tokio::time::timeout(CONNECT_TIMEOUT, session.open_channel(&self.inner)).await;
+        Ok((self.opened(opened)?, session.frame_max()))
+    }
+
+    fn opened<T>(
+        &self,
+        opened: Result<Result<T, lapin::Error>, tokio::time::error::Elapsed>,
+    ) -> Result<T, PublishError> {
         let error = match opened {
             Ok(Ok(channel)) => return Ok(channel),
             Ok(Err(error)) => PublishError::Channel(error),
@@ -336,7 +399,12 @@ impl Publisher {
 pub struct Publishing<'a> {
     publisher: &'a Publisher,
     tenant: &'a str,
+    /// The run of the batch this sweep publishes.
     rows: &'a [OutboxRow],
+    /// Rows of the batch follow the run: they go another way.
+    cut_short: bool,
+    /// The run goes alone, one row at a time, on a channel of its own.
+    alone: bool,
     lease: &'a dyn Lease,
     channel: Option<Arc<ConfirmChannel>>,
     batch: Arc<Batch>,
@@ -350,9 +418,19 @@ pub struct Publishing<'a> {
 }
 
 impl Publishing<'_> {
+    /// Whether rows of the batch were left for the next sweep, because they
+    /// go another way (alone, or on the shared channel) than those before
+    /// them: the tenant is to be swept again at once.
+    pub fn cut_short(&self) -> bool {
+        self.cut_short
+    }
+
     /// Sends what the window allows and waits until the confirmed prefix has
     /// grown by a [`PROGRESS_STEP`] or everything sent is settled.
     pub async fn next(&mut self) -> Progress {
+        if self.alone {
+            return Progress::Settled(self.publish_alone().await);
+        }
         let channel = match &self.channel {
             Some(channel) => channel.clone(),
             None => match self.publisher.confirm_channel().await {
@@ -395,6 +473,57 @@ impl Publishing<'_> {
         }
     }
 
+    /// Sends the run's rows one at a time, each alone on a channel of its
+    /// own and confirmed before the next, until one is refused: whatever the
+    /// broker says of a row is that row's.
+    async fn publish_alone(&self) -> BatchReport {
+        let publisher = self.publisher;
+        let inner = &publisher.inner;
+        let (channel, frame_max) = match publisher.channel_alone().await {
+            Ok(opened) => opened,
+            Err(error) => return BatchReport::refused(error.refusal()),
+        };
+        let mut report = BatchReport::default();
+        for (index, row) in self.rows.iter().enumerate() {
+            if !self.lease.is_held() {
+                break;
+            }
+            let sent = match inner.envelope.message(self.tenant, row, frame_max) {
+                Ok(message) => {
+                    isolation::send_alone(
+                        &inner.isolation,
+                        &channel,
+                        inner.exchange.clone(),
+                        message,
+                        row,
+                        inner.confirm_timeout,
+                    )
+                    .await
+                }
+                Err(refusal) => Err(refusal),
+            };
+            match sent {
+                Ok(confirmed_at) => report.confirmed_at.push(confirmed_at),
+                Err(refusal) => {
+                    if refusal.reason == FailureReason::Timeout {
+                        // A silent connection: drop it, as the collector does.
+                        publisher.reset();
+                    }
+                    report.refuse(index, refusal);
+                    break;
+                }
+            }
+        }
+        if channel.status().connected() {
+            let _ = tokio::time::timeout(
+                Duration::from_secs(1),
+                channel.close(200, "sent alone".into()),
+            )
+            .await;
+        }
+        report
+    }
+
     /// Hands the next row to the channel, or refuses it if it cannot be a
     /// message.
     fn send(&mut self, channel: &ConfirmChannel) {
@@ -402,7 +531,10 @@ impl Publishing<'_> {
         let row = &self.rows[index];
         self.sent += 1;
         let inner = &self.publisher.inner;
-        match inner.envelope.message(self.tenant, row) {
+        match inner
+            .envelope
+            .message(self.tenant, row, channel.frame_max())
+        {
             Ok(message) => channel.publish(
                 &self.batch,
                 (index, row.id),
@@ -456,6 +588,16 @@ struct BatchNow {
     done: bool,
 }
 
+/// An error the broker raised on one channel, closing it and not the
+/// connection (an AMQP soft error).
+fn is_channel_level(error: &lapin::Error) -> bool {
+    matches!(
+        error.kind(),
+        lapin::ErrorKind::ProtocolError(amqp)
+            if matches!(amqp.kind(), lapin::protocol::AMQPErrorKind::Soft(_))
+    )
+}
+
 /// Resolves when the session can no longer be used, with why.
 async fn watch_session(session: &Session) -> String {
     let mut events = session.connection.events_listener();
@@ -464,6 +606,11 @@ async fn watch_session(session: &Session) -> String {
         tokio::select! {
             () = session.broken.notified() => return "a publish failed or timed out".into(),
             event = events.next() => match event {
+                // A channel the broker closed (one message's refusal, say)
+                // is the channel's business: the connection goes on.
+                Some(Event::Error(error)) if is_channel_level(&error) && session.connection.status().connected() => {
+                    tracing::debug!(%error, "a channel was closed by the broker");
+                }
                 Some(Event::Error(error)) => return error.to_string(),
                 Some(Event::ConnectionBlocked(reason)) => {
                     tracing::warn!(%reason, "the broker is blocking publishers");

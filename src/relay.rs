@@ -173,8 +173,12 @@ impl Relay {
                 Progress::Settled(report) => break report,
             }
         };
+        // A batch cut short (by the byte budget, or where its rows go another
+        // way) is followed at once, like a full one.
+        let full = claim.rows().len() == self.config.batch_size
+            || claim.cut_by_budget()
+            || publishing.cut_short();
         // Settle: mark the confirmed prefix, record a refusal, commit.
-        let full = claim.rows().len() == self.config.batch_size || claim.cut_by_budget();
         match claim.settle(&report).await {
             Ok(rows) => self.settled(tenant, &rows, full, report),
             // Confirmed but not marked: these rows go out again (at least once).
@@ -203,9 +207,8 @@ impl Relay {
         Ok(Some((claim, budget)))
     }
 
-    /// Counts a settled batch and says how its sweep ended: a full batch
-    /// (`batch_size` rows, or as many as the byte budget held) is followed at
-    /// once by the next.
+    /// Counts a settled batch and says how its sweep ended: a `full` batch
+    /// is followed at once by the next.
     fn settled(
         &self,
         tenant: &str,

@@ -726,7 +726,7 @@ impl Claim {
 
     /// Ends the claim as the batch went: marks the confirmed prefix (what the
     /// marks sent ahead did not cover), undoes marks sent ahead past it,
-    /// records a refusal, and commits, in one round trip; gives the batch
+    /// records a refusal known to be the row's, and commits, in one round trip; gives the batch
     /// back. On any error the transaction is abandoned and nothing is marked.
     pub async fn settle(mut self, report: &BatchReport) -> Result<Vec<OutboxRow>, StoreError> {
         self.marks_ahead_done().await?;
@@ -736,9 +736,13 @@ impl Claim {
             self.rows[from.min(to)..to].iter().map(|r| r.id).collect()
         };
         let (published, unpublished) = (ids(marked, confirmed), ids(confirmed, marked));
+        // Only a refusal known to be the row's is written on it: a failure of
+        // the channel or connection it shared with other tenants' rows blames
+        // none of them (see `Refusal::attributed`).
         let refused = report
             .refusal
             .as_ref()
+            .filter(|(_, refusal)| refusal.attributed)
             .and_then(|(at, refusal)| Some((self.rows.get(*at)?.id, refusal)));
         let client = self.client();
         let statements = &self.store.statements;

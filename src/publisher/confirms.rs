@@ -15,6 +15,11 @@
 //! its last confirm was seen has been settled as well: RabbitMQ sends a
 //! message's return before its ack, so by then the return has reached one of
 //! those confirms and been routed.
+//!
+//! When the broker closes the channel, every confirm still open fails alike:
+//! the collector judges the broker's reason once (see `isolation`), blames no
+//! row for it, and names the rows in flight as suspects to be sent again
+//! alone. The connection stays up for a channel-level error.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -33,6 +38,7 @@ use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
 use super::Session;
+use super::isolation::{Isolation, Verdict};
 use crate::domain::{BatchReport, FailureReason, Refusal};
 use crate::envelope::Message;
 
@@ -56,6 +62,9 @@ pub(super) struct ConfirmChannel {
     /// A confirm timed out or failed: the channel is not used for new batches.
     broken: Arc<AtomicBool>,
     collector: tokio::task::JoinHandle<()>,
+    /// The connection's negotiated frame size, which every message's
+    /// properties must fit (see `envelope`).
+    frame_max: u32,
 }
 
 /// The channel's counts, shared by the publishing sweeps and the collector.
@@ -167,9 +176,16 @@ impl BatchState {
 }
 
 impl ConfirmChannel {
-    /// Wraps a confirm-mode `channel` and starts its collector. `session` is
-    /// told (reset) when a confirm times out or the connection fails.
-    pub fn start(channel: Channel, session: Weak<Session>) -> Arc<ConfirmChannel> {
+    /// Wraps a confirm-mode `channel` of a connection whose frame size is
+    /// `frame_max`, and starts its collector. `session` is told (reset) when a
+    /// confirm times out or the connection fails; `isolation` judges the
+    /// broker's closing of the channel and keeps its suspects.
+    pub fn start(
+        channel: Channel,
+        frame_max: u32,
+        session: Weak<Session>,
+        isolation: Arc<Isolation>,
+    ) -> Arc<ConfirmChannel> {
         let (submit, submissions) = mpsc::unbounded_channel();
         let ledger = Arc::new(Mutex::new(Ledger::default()));
         let broken = Arc::new(AtomicBool::new(false));
@@ -179,6 +195,8 @@ impl ConfirmChannel {
             ledger: ledger.clone(),
             broken: broken.clone(),
             session,
+            isolation,
+            closed_by_broker: false,
         };
         let collector = tokio::spawn(collector.run(submissions));
         Arc::new(ConfirmChannel {
@@ -187,7 +205,12 @@ impl ConfirmChannel {
             submit,
             broken,
             collector,
+            frame_max,
         })
+    }
+
+    pub fn frame_max(&self) -> u32 {
+        self.frame_max
     }
 
     /// Open, and no confirm on it has timed out or failed.
@@ -327,6 +350,11 @@ struct Collector {
     ledger: Arc<Mutex<Ledger>>,
     broken: Arc<AtomicBool>,
     session: Weak<Session>,
+    isolation: Arc<Isolation>,
+    /// The broker closed the channel over a message or the configuration
+    /// (every confirm still open fails with it: it is logged once, and what
+    /// fails on the channel after it is no row's doing).
+    closed_by_broker: bool,
 }
 
 impl Collector {
@@ -407,9 +435,9 @@ impl Collector {
         match outcome {
             None => {
                 reset = true;
-                refusal = Some(Refusal::new(
+                refusal = Some(self.not_the_rows(
                     FailureReason::Timeout,
-                    "no confirm from the broker in time",
+                    "no confirm from the broker in time".into(),
                 ));
             }
             Some(Ok(Confirmation::Ack(message))) => returned = message,
@@ -421,7 +449,7 @@ impl Collector {
                 ));
             }
             Some(Ok(Confirmation::NotRequested)) => {
-                refusal = Some(Refusal::new(
+                refusal = Some(Refusal::shared(
                     FailureReason::Other,
                     "the channel is not in confirm mode",
                 ));
@@ -431,12 +459,35 @@ impl Collector {
                     .session
                     .upgrade()
                     .is_some_and(|s| s.connection.status().connected());
-                let reason = if reset {
-                    FailureReason::Connection
-                } else {
-                    FailureReason::Other
-                };
-                refusal = Some(Refusal::new(reason, error.to_string()));
+                refusal = Some(match self.isolation.judge(&error) {
+                    Verdict::Refused(_, detail) => {
+                        // Which message the broker refused is not known:
+                        // every one in flight goes alone next (`isolation`).
+                        self.isolation.suspect(published.row_id);
+                        self.tell_closed(|| {
+                            tracing::warn!(
+                                error = %detail,
+                                "the broker closed the shared channel over a message; \
+                                 the rows in flight are sent again one at a time to find it"
+                            );
+                        });
+                        Refusal::shared(
+                            FailureReason::Connection,
+                            format!(
+                                "the broker closed the shared channel ({detail}) while this \
+                                 row was in flight; the rows in flight go again one at a time"
+                            ),
+                        )
+                    }
+                    Verdict::Configuration(detail) => {
+                        let isolation = self.isolation.clone();
+                        self.tell_closed(|| isolation.log_configuration_problem(&detail));
+                        self.isolation.configuration_problem(&detail)
+                    }
+                    Verdict::Connection(detail) => {
+                        self.not_the_rows(FailureReason::Connection, detail)
+                    }
+                });
             }
         }
         // Anything but an ack or a nack leaves the channel in doubt.
@@ -467,6 +518,26 @@ impl Collector {
         }
     }
 
+    /// A timeout or a lost connection, not the row's doing: written on its
+    /// row only if no other batch was in flight beside it and the broker had
+    /// not closed the channel over another message (then it names no other
+    /// row's doing; see `Refusal::attributed`).
+    fn not_the_rows(&self, reason: FailureReason, detail: String) -> Refusal {
+        if !self.closed_by_broker && lock(&self.ledger).open.len() == 1 {
+            Refusal::new(reason, detail)
+        } else {
+            Refusal::shared(reason, detail)
+        }
+    }
+
+    /// Runs `tell` the first time the broker's closing of the channel is seen.
+    fn tell_closed(&mut self, tell: impl FnOnce()) {
+        if !self.closed_by_broker {
+            self.closed_by_broker = true;
+            tell();
+        }
+    }
+
     /// Refuses the row a returned message names, in whichever batch holds it.
     fn route_return(
         &self,
@@ -474,12 +545,7 @@ impl Collector {
         carrier: &Published,
         touched: &mut Vec<Arc<Batch>>,
     ) {
-        let detail = format!(
-            "returned by the broker: {} {} (no queue bound for routing key {:?})",
-            message.reply_code,
-            message.reply_text,
-            message.delivery.routing_key.as_str()
-        );
+        let detail = returned_detail(&message);
         let owner = match returned_id(&message) {
             Some(id) if id == carrier.row_id => Some((carrier.batch.clone(), carrier.index)),
             Some(id) => owner_of(&self.ledger, id),
@@ -502,6 +568,16 @@ impl Collector {
             ),
         }
     }
+}
+
+/// Why a returned message did not go out, as its row's `last_error` says.
+pub(super) fn returned_detail(message: &BasicReturnMessage) -> String {
+    format!(
+        "returned by the broker: {} {} (no queue bound for routing key {:?})",
+        message.reply_code,
+        message.reply_text,
+        message.delivery.routing_key.as_str()
+    )
 }
 
 fn returned_id(message: &BasicReturnMessage) -> Option<i64> {

@@ -211,6 +211,18 @@ impl Outbox {
             .get(0)
     }
 
+    /// The tenant's rows that carry any blame: an attempt or a `last_error`.
+    pub async fn blamed(&self, tenant: &str) -> i64 {
+        let sql = format!(
+            "SELECT count(*) FROM {} WHERE tenant_id = $1 AND (attempts > 0 OR last_error IS NOT NULL)",
+            self.qualified()
+        );
+        within("count blamed", self.client.query_one(&sql, &[&tenant]))
+            .await
+            .expect("blamed")
+            .get(0)
+    }
+
     pub async fn row(&self, id: i64) -> RowState {
         let sql = format!(
             "SELECT published_at IS NOT NULL, attempts, last_error FROM {} WHERE id = $1",
@@ -397,6 +409,34 @@ impl Broker {
             )
             .await
             .expect("bind");
+    }
+
+    /// Deletes the exchange (with it, the queue's bindings).
+    pub async fn delete_exchange(&self) {
+        self.channel
+            .exchange_delete(
+                self.exchange.as_str().into(),
+                ExchangeDeleteOptions::default(),
+            )
+            .await
+            .expect("delete the exchange");
+    }
+
+    /// Declares the exchange again (after [`Broker::delete_exchange`]; bind
+    /// the queue again too).
+    pub async fn declare_exchange(&self) {
+        self.channel
+            .exchange_declare(
+                self.exchange.as_str().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("declare the exchange");
     }
 
     /// Declares another queue (no consumer) with `arguments`, bound to `key`.
