@@ -567,6 +567,19 @@ impl Publishing<'_> {
     fn report(&self) -> BatchReport {
         let mut state = self.batch.state();
         let mut report = std::mem::take(&mut state.report);
+        // A row the broker nacked or returned goes alone until it is
+        // confirmed: retrying it with the window behind it would send those
+        // rows again at every retry (duplicates for every other queue bound).
+        if let Some((at, refusal)) = &report.refusal
+            && refusal.attributed
+            && matches!(
+                refusal.reason,
+                FailureReason::Nack | FailureReason::Unroutable
+            )
+            && let Some(row) = self.rows.get(*at)
+        {
+            self.publisher.inner.isolation.suspect(row.id);
+        }
         let limit = report
             .refusal
             .as_ref()

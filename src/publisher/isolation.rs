@@ -14,6 +14,10 @@
 //! unforeseen refusal re-sends the messages in flight when it happened, once,
 //! not at every retry.
 //!
+//! A row the broker nacked or returned becomes a suspect too: retried with
+//! the window behind it, those rows would reach every other bound queue again
+//! at each retry; alone, only the refused row is sent again.
+//!
 //! A refusal for a body over the broker's `max_message_size` names the limit:
 //! it is learned, and a row whose body is over it goes alone from then on,
 //! before any incident. (Alone rather than refused: if the limit is raised,
@@ -105,7 +109,9 @@ impl Isolation {
         (first, run)
     }
 
-    /// Row `id` was in flight on a channel the broker closed over one message.
+    /// Row `id` was in flight on a channel the broker closed over one
+    /// message, or was itself nacked or returned: it goes alone until it is
+    /// confirmed.
     pub fn suspect(&self, id: i64) {
         let mut suspects = self.suspects();
         if suspects.len() < MAX_SUSPECTS {

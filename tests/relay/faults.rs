@@ -114,8 +114,11 @@ async fn replicas_killed_mid_batch() {
     set_env(&mut env, "OUTBOX_BATCH_SIZE", batch_size.to_string());
     // One sweep at a time per replica: a kill interrupts at most one batch.
     set_env(&mut env, "OUTBOX_CONCURRENCY", "1");
+    // A narrow window keeps each batch in flight long enough that the kills
+    // land mid-run however fast the machine drains.
+    set_env(&mut env, "OUTBOX_MAX_IN_FLIGHT", "16");
     let mut committed = Committed::new();
-    write_rows(&outbox, &tenants, 2_000, &mut committed).await;
+    write_rows(&outbox, &tenants, 3_000, &mut committed).await;
     let mut replicas = Vec::new();
     for _ in 0..3 {
         replicas.push(spawn_relay(&env).await);

@@ -637,6 +637,15 @@ async fn beside_a_guilty_row(
     })
     .await;
     let calm_names = CALM.map(|t| format!("'{t}'")).join(", ");
+    let written_before: i64 = outbox
+        .client
+        .query_one(
+            &format!("SELECT coalesce(max(id), 0) FROM {}", outbox.qualified()),
+            &[],
+        )
+        .await
+        .expect("the last id")
+        .get(0);
     outbox
         .execute(&format!(
             "BEGIN;
@@ -656,10 +665,12 @@ async fn beside_a_guilty_row(
         .client
         .query(
             &format!(
-                "SELECT tenant_id, id FROM {} WHERE published_at IS NULL ORDER BY id",
+                // Not only the pending ones: the relay may have published
+                // some already.
+                "SELECT tenant_id, id FROM {} WHERE id > $1 ORDER BY id",
                 outbox.qualified()
             ),
-            &[],
+            &[&written_before],
         )
         .await
         .expect("the rows just written");
@@ -1146,4 +1157,50 @@ async fn a_body_over_the_brokers_max_message_size_is_found_alone_after_one_incid
         .await;
     drop(limit);
     broker.delete().await;
+}
+
+/// A full queue (`reject-publish`) nacks a row; another queue bound to the
+/// same key takes every message. The nacked row is retried alone, so the
+/// rows that were in flight behind it reach the other queue once, not once
+/// per retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nacked_row_is_retried_alone_so_no_window_is_sent_again_per_retry() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["nacked.#"]).await;
+    capped_queue(&broker, "nacked.#", 3).await;
+    let ids = outbox.insert_many("nacked", 300).await;
+    let mut config = config(&outbox, &broker, &["nacked"]);
+    config.batch_size = 256;
+    config.max_in_flight = 64;
+    config.max_backoff_ms = 100;
+    let relay = start_relay(config).await;
+    eventually(
+        "five retries of the nacked row",
+        Duration::from_secs(30),
+        || async { outbox.row(ids[3]).await.attempts >= 5 },
+    )
+    .await;
+    let refused = outbox.row(ids[3]).await;
+    assert!(refused.last_error.unwrap_or_default().starts_with("nack: "));
+    let received = broker.received();
+    let mut times = BTreeMap::<i64, usize>::new();
+    for message in &received {
+        *times.entry(message.id).or_default() += 1;
+    }
+    let again: Vec<(i64, usize)> = times
+        .iter()
+        .filter(|(id, n)| **id != ids[3] && **n > 1)
+        .map(|(id, n)| (*id, *n))
+        .collect();
+    assert!(
+        again.is_empty(),
+        "rows behind the nacked one sent again on retries: {again:?}"
+    );
+    assert!(
+        times.get(&ids[3]).copied().unwrap_or_default() <= refused.attempts as usize + 1,
+        "the nacked row alone is retried"
+    );
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
 }
