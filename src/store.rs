@@ -450,20 +450,25 @@ impl Store {
             let taken: bool = taken?.try_get(1)?;
             // One row at a time: only the row being read is held twice.
             let mut rows = std::pin::pin!(rows?);
-            let (mut batch, mut pending) = (Vec::new(), 0);
+            let (mut batch, mut cut_by_budget) = (Vec::new(), false);
             while let Some(row) = rows.try_next().await? {
-                pending = row.try_get::<_, i64>("pending")?;
+                // Past the budget: not part of the batch, only a sign that
+                // more rows are pending behind it.
+                if !batch.is_empty() && !row.try_get::<_, bool>("within")? {
+                    cut_by_budget = true;
+                    continue;
+                }
                 batch.push(decode(&row, self.max_payload_bytes)?);
             }
-            Ok::<_, StoreError>((taken, batch, pending))
+            Ok::<_, StoreError>((taken, batch, cut_by_budget))
         };
-        let (taken, rows, pending) = deadline("the claim", work).await?;
+        let (taken, rows, cut_by_budget) = deadline("the claim", work).await?;
         if !taken {
             claim.rollback().await?;
             return Ok(None);
         }
         claim.rows = rows;
-        claim.cut_by_budget = usize::try_from(pending).unwrap_or_default() > claim.rows.len();
+        claim.cut_by_budget = cut_by_budget;
         Ok(Some(claim))
     }
 
