@@ -186,21 +186,17 @@ impl Table {
     }
 
     async fn pending(&self) -> i64 {
-        let sql = format!(
-            "SELECT count(*) FROM {} WHERE published_at IS NULL",
-            self.qualified()
-        );
-        self.client
-            .query_one(&sql, &[])
-            .await
-            .expect("count")
-            .get(0)
+        self.count("published_at IS NULL").await
     }
 
     /// Rows refused at least once (e.g. `too_large`), still pending.
     async fn refused(&self) -> i64 {
+        self.count("published_at IS NULL AND attempts > 0").await
+    }
+
+    async fn count(&self, condition: &str) -> i64 {
         let sql = format!(
-            "SELECT count(*) FROM {} WHERE published_at IS NULL AND attempts > 0",
+            "SELECT count(*) FROM {} WHERE {condition}",
             self.qualified()
         );
         self.client

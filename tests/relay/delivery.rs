@@ -423,6 +423,23 @@ async fn an_unreachable_broker_is_not_fatal_and_not_ready() {
     outbox.drop_schema().await;
 }
 
+/// The plan of `sql` prepared (as the relay's statements are) and executed
+/// with `params`.
+async fn plan_of(client: &tokio_postgres::Client, sql: &str, params: &str) -> String {
+    client
+        .batch_execute(&format!("DEALLOCATE ALL; PREPARE planned AS {sql}"))
+        .await
+        .unwrap();
+    let plan: Vec<String> = client
+        .query(&format!("EXPLAIN EXECUTE planned{params}"), &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get::<_, String>(0))
+        .collect();
+    plan.join("\n")
+}
+
 /// The trap measured on this kind of machine: many published rows, fresh statistics, the
 /// default `random_page_cost`, and the planner walks the primary key and
 /// filters. The relay's statements must use the partial index regardless,
@@ -459,19 +476,7 @@ async fn the_relays_reads_use_the_partial_index_whatever_the_costs() {
                 1 => "",
                 _ => "(ARRAY['bulk', 'other'])",
             };
-            let name = format!("plan_{n}");
-            client
-                .batch_execute(&format!("DEALLOCATE ALL; PREPARE {name} AS {sql}"))
-                .await
-                .unwrap();
-            let plan: Vec<String> = client
-                .query(&format!("EXPLAIN EXECUTE {name}{params}"), &[])
-                .await
-                .unwrap()
-                .iter()
-                .map(|r| r.get::<_, String>(0))
-                .collect();
-            let plan = plan.join("\n");
+            let plan = plan_of(client, sql, params).await;
             assert!(
                 plan.contains("outbox_message_pending"),
                 "{settings}: statement {n} ignores the partial index:\n{plan}"
@@ -510,22 +515,7 @@ async fn the_relays_reads_use_the_partial_index_whatever_the_costs() {
         .enumerate()
         {
             let sql = sql.replace("{table}", &fresh);
-            let name = format!("mark_{n}");
-            client
-                .batch_execute(&format!("DEALLOCATE ALL; PREPARE {name} AS {sql}"))
-                .await
-                .unwrap();
-            let plan: Vec<String> = client
-                .query(
-                    &format!("EXPLAIN EXECUTE {name}(ARRAY[1, 2, 3]::bigint[])"),
-                    &[],
-                )
-                .await
-                .unwrap()
-                .iter()
-                .map(|r| r.get::<_, String>(0))
-                .collect();
-            let plan = plan.join("\n");
+            let plan = plan_of(client, &sql, "(ARRAY[1, 2, 3]::bigint[])").await;
             assert!(
                 plan.contains("fresh_pkey"),
                 "{settings}: marking statement {n} does not find its rows by id:\n{plan}"

@@ -157,13 +157,7 @@ async fn returns_reach_their_own_rows_when_tenants_share_a_channel() {
     eventually(
         "the flowing tenants drain",
         Duration::from_secs(30),
-        || async {
-            let mut pending = 0;
-            for tenant in flowing {
-                pending += outbox.pending(tenant).await;
-            }
-            pending == 0
-        },
+        || async { outbox.pending_of(&flowing).await == 0 },
     )
     .await;
     eventually(
@@ -710,13 +704,7 @@ async fn beside_a_guilty_row(
     eventually(
         "every calm row is published",
         Duration::from_secs(30),
-        || async {
-            let mut pending = 0;
-            for tenant in CALM {
-                pending += outbox.pending(tenant).await;
-            }
-            pending == 0
-        },
+        || async { outbox.pending_of(&CALM).await == 0 },
     )
     .await;
     eventually(

@@ -173,6 +173,15 @@ impl Outbox {
             .get(0)
     }
 
+    /// Pending rows of all of `tenants`.
+    pub async fn pending_of(&self, tenants: &[&str]) -> i64 {
+        let mut pending = 0;
+        for tenant in tenants {
+            pending += self.pending(tenant).await;
+        }
+        pending
+    }
+
     pub async fn all_pending(&self) -> i64 {
         let sql = format!(
             "SELECT count(*) FROM {} WHERE published_at IS NULL",
