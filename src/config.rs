@@ -11,6 +11,7 @@
 //! where it came from and what is allowed, e.g.
 //! `poll_ms = 0 (environment variable OUTBOX_POLL_MS): must be from 1 to 60000`.
 
+mod dsn;
 mod read;
 mod target;
 
@@ -24,7 +25,6 @@ use figment::providers::{Format, Toml};
 use figment::value::{Dict, Map, Value};
 use figment::{Figment, Metadata, Profile, Provider};
 
-use crate::redact::redact_url;
 use crate::template::RoutingKey;
 use read::{
     Fallback, Flag, Identifier, Parse, Render, Rule, TenantList, int, keys, parsed, short_text,
@@ -457,6 +457,21 @@ fn read_file(path: &Path) -> Result<Dict, ConfigError> {
         reason,
     };
     let text = std::fs::read_to_string(path).map_err(|e| file_error(e.to_string()))?;
+    // The TOML parser's own message quotes the offending line, which may be
+    // the one with a password: only its line number and kind are shown.
+    if let Err(error) = text.parse::<toml::Table>() {
+        let at = error
+            .span()
+            .map(|span| format!(" at line {}", text[..span.start].matches('\n').count() + 1))
+            .unwrap_or_default();
+        let kind = error
+            .message()
+            .lines()
+            .next()
+            .unwrap_or("syntax error")
+            .to_string();
+        return Err(file_error(format!("not valid TOML{at}: {kind}")));
+    }
     let data = Toml::string(&text)
         .data()
         .map_err(|e| file_error(e.kind.to_string()))?;
@@ -471,9 +486,10 @@ struct Validator<'a> {
 
 impl Validator<'_> {
     fn invalid(&self, key: &'static str, value: String, reason: String) -> ConfigError {
-        // A value that failed to parse as a URL may still hold a password.
+        // A value that failed to parse as a URL may hold a password anywhere:
+        // none of it is shown, only why it was refused.
         let value = if key.ends_with("_url") {
-            redact_url(&value)
+            "(not shown: it may hold a password)".to_string()
         } else {
             value
         };
@@ -519,6 +535,7 @@ impl Validator<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::redact::redact_url;
 
     fn sources(
         file: Option<&str>,
@@ -672,7 +689,7 @@ mod tests {
         .unwrap();
         assert_eq!(
             only_fallback.config.database_url.to_string(),
-            "postgres://u@db/x"
+            "postgres://u@db:5432/x"
         );
         assert_eq!(only_fallback.config.log, "debug");
         assert_eq!(
@@ -689,7 +706,7 @@ mod tests {
             &[],
         )
         .unwrap();
-        assert_eq!(both.config.amqp_url.to_string(), "amqp://b@h2/%2f");
+        assert_eq!(both.config.amqp_url.to_string(), "amqp://b:***@h2:5672/%2f");
     }
 
     #[test]
@@ -942,9 +959,102 @@ mod tests {
         .unwrap();
         let text = loaded.render();
         assert!(!text.contains("s3cret") && !text.contains("pa55"), "{text}");
-        assert!(text.contains("database_url = \"postgres://app:***@db/app\"  # environment variable OUTBOX_DATABASE_URL"), "{text}");
+        assert!(text.contains("database_url = \"postgres://app:***@db:5432/app\"  # environment variable OUTBOX_DATABASE_URL"), "{text}");
         assert!(text.contains("poll_ms = 200  # built-in default"), "{text}");
         assert_eq!(text.lines().count(), KEYS.len());
+    }
+
+    /// Passwords with every character that breaks a naive URL or key=value
+    /// reading, in every shape a user may write: whatever the relay makes of
+    /// it (a configuration, or an error), the password never shows.
+    #[test]
+    fn no_password_shape_ever_shows_in_any_output() {
+        let core = "Zq9xW";
+        let specials = [
+            "", "#", "/", "?", "@", ":", " ", "'", "\"", "%", "&", "=", "\\", "#/?@", "a b c",
+        ];
+        let mut shapes: Vec<(&str, String)> = Vec::new();
+        for special in specials {
+            for password in [
+                format!("{core}{special}"),
+                format!("{special}{core}"),
+                format!("{core}{special}{core}"),
+            ] {
+                for url in [
+                    format!("postgres://app:{password}@db:5432/orders"),
+                    format!("postgresql://app:{password}@db/orders?sslmode=require"),
+                    format!("postgres://db/orders?user=app&password={password}"),
+                ] {
+                    shapes.push(("OUTBOX_DATABASE_URL", url));
+                }
+                let quoted = password.replace('\\', "\\\\").replace('\'', "\\'");
+                for dsn in [
+                    format!("host=db user=app password={password} dbname=orders"),
+                    format!("host=db user=app password = {password} dbname=orders"),
+                    format!("host=db password='{quoted}' dbname=orders"),
+                    format!("host=db password = '{quoted}'"),
+                ] {
+                    shapes.push(("OUTBOX_DATABASE_URL", dsn));
+                }
+                for url in [
+                    format!("amqp://app:{password}@mq:5672/%2f"),
+                    format!("amqps://app:{password}@mq/vh"),
+                ] {
+                    shapes.push(("OUTBOX_AMQP_URL", url));
+                }
+            }
+        }
+        assert!(shapes.len() > 300);
+        for (var, value) in &shapes {
+            let shown = match load(None, &[("OUTBOX_TENANTS", "a"), (var, value.as_str())], &[]) {
+                Ok(loaded) => format!(
+                    "{}\n{:?}\n{} {:?} {} {:?}",
+                    loaded.render(),
+                    loaded.config,
+                    loaded.config.database_url,
+                    loaded.config.database_url,
+                    loaded.config.amqp_url,
+                    loaded.config.amqp_url
+                ),
+                Err(error) => format!("{error}\n{error:?}"),
+            };
+            assert!(
+                !shown.contains(core),
+                "{var}={value:?} shows its password:\n{shown}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_toml_error_on_the_passwords_line_does_not_quote_it() {
+        let e = error(
+            Some("tenants = [\"a\"]\ndatabase_url = \"postgres://app:Zq9xW@db/x\" oops\n"),
+            &[],
+        );
+        assert!(!e.contains("Zq9xW"), "{e}");
+        assert!(e.contains("not valid TOML at line 2"), "{e}");
+    }
+
+    #[test]
+    fn key_value_passwords_are_read_as_libpq_reads_them() {
+        let c = load(
+            None,
+            &[
+                ("OUTBOX_TENANTS", "a"),
+                (
+                    "OUTBOX_DATABASE_URL",
+                    "host=db user=app password = 'two words' dbname=x",
+                ),
+            ],
+            &[],
+        )
+        .unwrap()
+        .config;
+        assert_eq!(
+            c.database_url.config.get_password(),
+            Some(&b"two words"[..])
+        );
+        assert_eq!(c.database_url.config.get_dbname(), Some("x"));
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Printing connection strings without their secrets.
 
 /// What a password is replaced with.
-const MASK: &str = "***";
+pub const MASK: &str = "***";
 
 /// `url` with any password replaced by `***`: URL form (`scheme://user:pw@host`)
 /// and PostgreSQL key-value form (`host=db password=pw`). Anything that is not

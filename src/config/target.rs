@@ -11,7 +11,7 @@ use std::time::Duration;
 use lapin::uri::AMQPUri;
 use tokio_postgres::config::SslMode;
 
-use crate::redact::redact_url;
+use crate::redact::MASK;
 
 /// Deadline for opening a database connection (TCP, TLS, authentication),
 /// unless the URL sets `connect_timeout`.
@@ -57,8 +57,20 @@ impl FromStr for DatabaseTarget {
                 _ => Some((key.into(), value.into())),
             }
         };
-        let cleaned = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let url_form = url.starts_with("postgres://") || url.starts_with("postgresql://");
+        if url_form {
+            misplaced_userinfo(url)?;
+        }
+        let cleaned = if url_form {
             let mut parsed = url::Url::parse(url).map_err(|e| format!("not a valid URL: {e}"))?;
+            super::dsn::known_keys(
+                parsed
+                    .query_pairs()
+                    .map(|(k, _)| k)
+                    .collect::<Vec<_>>()
+                    .iter()
+                    .map(|k| k.as_ref()),
+            )?;
             let pairs: Vec<(String, String)> = parsed
                 .query_pairs()
                 .filter_map(|(k, v)| rewrite(&k, &v))
@@ -74,13 +86,11 @@ impl FromStr for DatabaseTarget {
                 "must start with postgres:// or postgresql:// (or be key=value pairs)".into(),
             );
         } else {
-            url.split_whitespace()
-                .filter_map(|pair| {
-                    let (k, v) = pair.split_once('=')?;
-                    rewrite(k, v).map(|(k, v)| format!("{k}={v}"))
-                })
-                .collect::<Vec<_>>()
-                .join(" ")
+            let pairs: Vec<(String, String)> = super::dsn::known_pairs(url)?
+                .iter()
+                .filter_map(|(k, v)| rewrite(k, v))
+                .collect();
+            super::dsn::join(&pairs)
         };
         let mut config: tokio_postgres::Config =
             cleaned.parse().map_err(|e: tokio_postgres::Error| {
@@ -109,10 +119,11 @@ impl FromStr for DatabaseTarget {
             .keepalives_idle(Duration::from_secs(15))
             .keepalives_interval(Duration::from_secs(5))
             .keepalives_retries(3);
+        let redacted = shown_database(&config, root_cert.as_deref(), url_form);
         Ok(DatabaseTarget {
             config,
             root_cert,
-            redacted: redact_url(url),
+            redacted,
         })
     }
 }
@@ -132,22 +143,122 @@ impl FromStr for AmqpTarget {
         if !(url.starts_with("amqp://") || url.starts_with("amqps://")) {
             return Err("must start with amqp:// or amqps://".into());
         }
-        let mut uri: AMQPUri = url.parse().map_err(|e: String| {
-            // The parser's message may quote the URL; keep only its kind.
-            if e.contains(url) {
-                "not a valid AMQP URL".to_string()
-            } else {
-                format!("not a valid AMQP URL: {e}")
-            }
+        misplaced_userinfo(url)?;
+        // The parser's message may quote any part of the URL, the password
+        // included: none of it is passed on.
+        let mut uri: AMQPUri = url.parse().map_err(|_: String| {
+            "not a valid AMQP URL (amqp[s]://user:password@host:port/vhost, with reserved characters percent-encoded)".to_string()
         })?;
         if uri.query.heartbeat.is_none() {
             uri.query.heartbeat = Some(DEFAULT_HEARTBEAT_SECS);
         }
-        Ok(AmqpTarget {
-            uri,
-            redacted: redact_url(url),
-        })
+        let redacted = shown_amqp(&uri);
+        Ok(AmqpTarget { uri, redacted })
     }
+}
+
+/// Refuses a URL whose `@` comes after a `/`, `?` or `#` of its authority: its
+/// password holds one of them unencoded, so the parser would split it into
+/// host, port or path, and show pieces of it. The message never quotes it.
+fn misplaced_userinfo(url: &str) -> Result<(), String> {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    if let Some(at) = rest.rfind('@')
+        && rest[..at].contains(['/', '?', '#'])
+    {
+        return Err("the part before `@` holds a `/`, `?` or `#`: percent-encode them in the user name and password (%2F, %3F, %23)".into());
+    }
+    Ok(())
+}
+
+/// A database target as printed: built from what was parsed, never from the
+/// text given, so no malformed input can carry a password into the output.
+fn shown_database(
+    config: &tokio_postgres::Config,
+    root_cert: Option<&std::path::Path>,
+    url_form: bool,
+) -> String {
+    use tokio_postgres::config::Host;
+    let hosts: Vec<String> = config
+        .get_hosts()
+        .iter()
+        .enumerate()
+        .map(|(i, host)| {
+            let name = match host {
+                Host::Tcp(name) => name.clone(),
+                Host::Unix(path) => path.display().to_string(),
+            };
+            match config.get_ports().get(i).or(config.get_ports().first()) {
+                Some(port) => format!("{name}:{port}"),
+                None => name,
+            }
+        })
+        .collect();
+    let user = config.get_user().unwrap_or_default();
+    let password = config.get_password().is_some();
+    let dbname = config.get_dbname().unwrap_or_default();
+    let sslmode = match config.get_ssl_mode() {
+        SslMode::Disable => "disable",
+        SslMode::Prefer => "prefer",
+        SslMode::Require => "require",
+        _ => "other",
+    };
+    if url_form {
+        let userinfo = match (user.is_empty(), password) {
+            (true, _) => String::new(),
+            (false, true) => format!("{user}:{MASK}@"),
+            (false, false) => format!("{user}@"),
+        };
+        let mut shown = format!("postgres://{userinfo}{}/{dbname}", hosts.join(","));
+        if sslmode != "disable" {
+            shown.push_str(&format!("?sslmode={sslmode}"));
+            if let Some(path) = root_cert {
+                shown.push_str(&format!("&sslrootcert={}", path.display()));
+            }
+        }
+        shown
+    } else {
+        let mut pairs = vec![format!("host={}", hosts.join(","))];
+        if !user.is_empty() {
+            pairs.push(format!("user={user}"));
+        }
+        if password {
+            pairs.push(format!("password={MASK}"));
+        }
+        if !dbname.is_empty() {
+            pairs.push(format!("dbname={dbname}"));
+        }
+        pairs.push(format!("sslmode={sslmode}"));
+        if let Some(path) = root_cert {
+            pairs.push(format!("sslrootcert={}", path.display()));
+        }
+        pairs.join(" ")
+    }
+}
+
+/// An AMQP target as printed, built from what was parsed.
+fn shown_amqp(uri: &AMQPUri) -> String {
+    let scheme = match uri.scheme {
+        lapin::uri::AMQPScheme::AMQP => "amqp",
+        lapin::uri::AMQPScheme::AMQPS => "amqps",
+    };
+    let auth = &uri.authority;
+    let user = &auth.userinfo.username;
+    let userinfo = if auth.userinfo.password.is_empty() {
+        format!("{user}@")
+    } else {
+        format!("{user}:{MASK}@")
+    };
+    let vhost: String = uri
+        .vhost
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                char::from(b).to_string()
+            }
+            _ => format!("%{b:02x}"),
+        })
+        .collect();
+    format!("{scheme}://{userinfo}{}:{}/{vhost}", auth.host, auth.port)
 }
 
 /// Both targets print as their URL with the password masked.

@@ -225,7 +225,7 @@ fn unknown_outbox_variables_are_ignored_and_check_config_redacts() {
     assert!(stdout.contains("database_url = \"postgres://app:***@db.internal:5432/app\"  # environment variable OUTBOX_DATABASE_URL"), "{stdout}");
     assert!(
         stdout.contains(
-            "amqp_url = \"amqps://relay:***@mq.internal/%2f\"  # environment variable AMQP_URL"
+            "amqp_url = \"amqps://relay:***@mq.internal:5671/%2f\"  # environment variable AMQP_URL"
         ),
         "{stdout}"
     );
