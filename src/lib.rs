@@ -23,7 +23,8 @@
 //!    broker outage is no tenant's failure).
 //! 6. [`http`] serves lag, liveness, readiness and [`metrics`]; [`telemetry`]
 //!    writes the logs; [`shutdown`] drains sweeps on SIGTERM; [`migrate`]
-//!    creates the table; [`status`] is the operator's view from the database.
+//!    creates the table; [`status`] is the operator's view from the database;
+//!    [`tail`] prints what the relay publishes, as a consumer sees it.
 #![forbid(unsafe_code)]
 
 pub mod backoff;
@@ -42,6 +43,7 @@ pub mod scheduler;
 pub mod shutdown;
 pub mod status;
 pub mod store;
+pub mod tail;
 pub mod telemetry;
 pub mod template;
 

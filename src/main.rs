@@ -39,6 +39,19 @@ enum Command {
         /// JSON for scripts instead of a table.
         #[arg(long)]
         json: bool,
+        /// Each last_error whole, not cut to fit the table.
+        #[arg(long)]
+        wide: bool,
+    },
+    /// Print each message published to the exchange as it arrives (a
+    /// temporary queue, deleted when tail stops).
+    Tail {
+        /// Which messages: a binding key of the exchange.
+        #[arg(long, default_value = "#")]
+        routing_key: String,
+        /// One JSON object per message, the whole body included.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -82,10 +95,29 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_FATAL);
         }
     };
-    if let Command::Status { json } = command {
+    if let Command::Tail { routing_key, json } = &command {
+        // stdout is the messages: no log lines there.
+        warn_unknown_env_on_stderr(&loaded);
+        let mut out = std::io::stdout();
+        let result = runtime.block_on(outbox_relay::tail::run(
+            &loaded.config,
+            routing_key,
+            *json,
+            &mut out,
+            shutdown::signal(),
+        ));
+        return match result {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(error) => {
+                eprintln!("outbox-relay: {error}");
+                ExitCode::from(EXIT_FATAL)
+            }
+        };
+    }
+    if let Command::Status { json, wide } = command {
         // stdout is the report: no log lines there.
         warn_unknown_env_on_stderr(&loaded);
-        return runtime.block_on(status(loaded.config, json));
+        return runtime.block_on(status(loaded.config, json, wide));
     }
     telemetry::init(loaded.config.log_format, &loaded.config.log);
     warn_unknown_env(&loaded);
@@ -134,7 +166,7 @@ async fn migrate_once(config: Config) -> anyhow::Result<()> {
 /// `status`: exit 0 when every tenant is within max_lag_ms, 1 when one is
 /// not (or the database cannot be asked, or the table's `payload` column is
 /// one the relay cannot send: said on stderr after the report).
-async fn status(config: Config, json: bool) -> ExitCode {
+async fn status(config: Config, json: bool, wide: bool) -> ExitCode {
     let result = async {
         let store = store::Store::new(&config)?;
         let unfit = match store.check_payload_type().await {
@@ -156,7 +188,7 @@ async fn status(config: Config, json: bool) -> ExitCode {
                 if json {
                     report.json() + "\n"
                 } else {
-                    report.table()
+                    report.table(wide)
                 }
             );
             if let Some(error) = &unfit {

@@ -46,7 +46,9 @@ impl Report {
     }
 
     /// An aligned table, one tenant a line, lagging tenants marked.
-    pub fn table(&self) -> String {
+    /// `wide`: each `last_error` whole (on its line), not cut to fit.
+    pub fn table(&self, wide: bool) -> String {
+        let width = if wide { usize::MAX } else { ERROR_WIDTH };
         let header = [
             "TENANT",
             "PENDING",
@@ -75,7 +77,7 @@ impl Report {
                 s.attempts.map_or_else(|| "-".into(), |a| a.to_string()),
                 s.last_error
                     .as_deref()
-                    .map_or_else(|| "-".into(), |e| shorten(e, ERROR_WIDTH)),
+                    .map_or_else(|| "-".into(), |e| shorten(e, width)),
             ]);
         }
         let widths: Vec<usize> = (0..6)
@@ -118,7 +120,10 @@ fn human_ms(ms: i64) -> String {
 }
 
 fn shorten(text: &str, width: usize) -> String {
-    let one_line = text.replace(['\n', '\r'], " ");
+    let one_line: String = text
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
     if one_line.chars().count() <= width {
         return one_line;
     }
@@ -163,7 +168,7 @@ mod tests {
             ],
         );
         assert!(report.lagging);
-        let table = report.table();
+        let table = report.table(false);
         let lines: Vec<&str> = table.lines().collect();
         assert_eq!(
             lines[0],
@@ -212,8 +217,10 @@ mod tests {
     fn long_errors_are_shortened_in_the_table_only() {
         let long = "other: ".to_string() + &"x".repeat(200);
         let report = Report::new(1, vec![status("a", 1, 0, Some((1, 1, &long)))]);
-        let row = report.table().lines().nth(1).unwrap().to_string();
+        let row = report.table(false).lines().nth(1).unwrap().to_string();
         assert!(row.ends_with('…') && row.chars().count() < 140, "{row}");
+        let wide = report.table(true).lines().nth(1).unwrap().to_string();
+        assert!(wide.ends_with(&long), "--wide shows it whole: {wide}");
         assert!(report.json().contains(&long));
     }
 

@@ -447,3 +447,93 @@ fn database_errors_carry_the_servers_message_and_sqlstate() {
         assert!(!stderr.contains("db error"), "{args:?}: {stderr}");
     }
 }
+
+/// `tail` shows a newcomer what the relay publishes, with no queue of their
+/// own: start the relay, `tail` beside it, insert a row, see it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_prints_each_message_the_relay_publishes() {
+    let outbox = Outbox::create().await;
+    // No queue bound: tail's own temporary queue is the only one.
+    let broker = Broker::create(&[]).await;
+    let env = [
+        ("OUTBOX_TENANTS", "shop"),
+        ("OUTBOX_AMQP_URL", AMQP_URL),
+        ("OUTBOX_EXCHANGE", broker.exchange.as_str()),
+    ];
+    let mut lines = relay_command();
+    lines.envs(env).args(["tail"]);
+    let lines = RelayProcess::spawn(lines);
+    let mut json = relay_command();
+    json.envs(env)
+        .args(["tail", "--json", "--routing-key", "shop.order.*"]);
+    let mut json = RelayProcess::spawn(json);
+    eventually(
+        "both tails are listening",
+        Duration::from_secs(20),
+        || async {
+            lines.output().contains("Ctrl-C to stop") && json.output().contains("Ctrl-C to stop")
+        },
+    )
+    .await;
+
+    let relay = start_relay(config(&outbox, &broker, &["shop"])).await;
+    let id = outbox
+        .insert(
+            "shop",
+            "order.created",
+            "o-1",
+            Some("{\"total\":\"12.50\"}\nsecond line"),
+            Some(serde_json::json!({"traceparent": "00-abc-01"})),
+        )
+        .await;
+    let other = outbox
+        .insert("shop", "stock.moved", "s-1", Some("{}"), None)
+        .await;
+    eventually(
+        "the rows are published",
+        Duration::from_secs(20),
+        || async { outbox.pending("shop").await == 0 },
+    )
+    .await;
+    eventually("tail prints both", Duration::from_secs(20), || async {
+        let text = lines.output();
+        text.contains(&format!("message_id={id} "))
+            && text.contains(&format!("message_id={other} "))
+    })
+    .await;
+    let text = lines.output();
+    let line = text
+        .lines()
+        .find(|l| l.contains(&format!("message_id={id} ")))
+        .unwrap();
+    assert!(line.starts_with("shop.order.created message_id="), "{line}");
+    assert!(line.contains("type=order.created"), "{line}");
+    assert!(line.contains("\"traceparent\":\"00-abc-01\""), "{line}");
+    assert!(
+        line.contains("body={\\\"total\\\":\\\"12.50\\\"}\\nsecond line"),
+        "the body on one line: {line}"
+    );
+
+    eventually(
+        "the JSON tail prints its match",
+        Duration::from_secs(20),
+        || async { json.output().lines().any(|l| l.starts_with('{')) },
+    )
+    .await;
+    let objects: Vec<serde_json::Value> = json
+        .output()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    assert_eq!(objects.len(), 1, "only shop.order.* messages");
+    assert_eq!(objects[0]["message_id"], id.to_string());
+    assert_eq!(objects[0]["body"], "{\"total\":\"12.50\"}\nsecond line");
+    assert_eq!(objects[0]["headers"]["outbox-tenant-id"], "shop");
+
+    json.signal("TERM");
+    assert_eq!(json.wait(Duration::from_secs(10)).await, Some(0));
+    lines.signal("TERM");
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
