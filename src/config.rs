@@ -27,7 +27,8 @@ use figment::{Figment, Metadata, Profile, Provider};
 
 use crate::template::RoutingKey;
 use read::{
-    Fallback, Flag, Identifier, Parse, Render, Rule, TenantList, int, keys, parsed, short_text,
+    Fallback, Flag, Parse, Render, Rule, SCHEMA_NAME, TABLE_NAME, TenantList, int, keys, parsed,
+    short_text,
 };
 pub use target::{AmqpTarget, DATABASE_CONNECT_TIMEOUT, DatabaseTarget};
 
@@ -66,9 +67,9 @@ keys! {
     pool_size: usize ["N"] = concurrency + 2, int(1, 10_000),
         check |n: &usize| above_concurrency(*n, concurrency);
     /// Schema of the outbox table
-    schema: String ["NAME"] = "public".to_string(), Identifier;
+    schema: String ["NAME"] = "public".to_string(), SCHEMA_NAME;
     /// Name of the outbox table
-    table: String ["NAME"] = "outbox_message".to_string(), Identifier;
+    table: String ["NAME"] = "outbox_message".to_string(), TABLE_NAME;
     /// RabbitMQ URL [env: OUTBOX_AMQP_URL, AMQP_URL]
     amqp_url: AmqpTarget ["URL"] = default_target::<AmqpTarget>(DEFAULT_AMQP_URL), parsed(), env "AMQP_URL";
     /// Exchange to publish to
@@ -934,6 +935,11 @@ mod tests {
         assert!(error(None, &[base, ("OUTBOX_EXCHANGE_TYPE", "fan")]).contains("exchange_type"));
         assert!(error(None, &[base, ("OUTBOX_LOG", "info,[[")]).contains("tracing filter"));
         assert!(error(None, &[base, ("OUTBOX_TABLE", "")]).contains("identifier"));
+        let long = "t".repeat(56);
+        let e = error(None, &[base, ("OUTBOX_TABLE", long.as_str())]);
+        assert!(e.contains("1 to 55 bytes") && e.contains("_pending"), "{e}");
+        let fits = "t".repeat(55);
+        assert!(load(None, &[base, ("OUTBOX_TABLE", fits.as_str())], &[]).is_ok());
         let c = load(
             None,
             &[

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use prometheus::{
-    Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge,
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
@@ -32,6 +32,7 @@ pub struct Metrics {
     tenant_backoff: GaugeVec,
     amqp_connected: IntGauge,
     database_up: IntGauge,
+    max_lag: Gauge,
 }
 
 impl Metrics {
@@ -106,6 +107,11 @@ impl Metrics {
             "Whether the last poll reached the database (1) or not (0); a poll the server answered with an error reached it.",
         )
         .expect("valid metric");
+        let max_lag = Gauge::new(
+            "outbox_max_lag_seconds",
+            "The relay's max_lag_ms, in seconds: the lag budget /healthz, alerts and dashboards compare outbox_lag_seconds with.",
+        )
+        .expect("valid metric");
         let build_info = IntGaugeVec::new(
             Opts::new("outbox_build_info", "The relay's version; always 1."),
             &["version"],
@@ -125,6 +131,7 @@ impl Metrics {
             Box::new(tenant_backoff.clone()),
             Box::new(amqp_connected.clone()),
             Box::new(database_up.clone()),
+            Box::new(max_lag.clone()),
             Box::new(build_info),
         ] {
             registry
@@ -159,6 +166,7 @@ impl Metrics {
             tenant_backoff,
             amqp_connected,
             database_up,
+            max_lag,
         }
     }
 
@@ -220,6 +228,11 @@ impl Metrics {
         self.amqp_connected.set(i64::from(connected));
     }
 
+    /// The lag budget (`max_lag_ms`), for alerts and dashboards.
+    pub fn set_max_lag(&self, max_lag: Duration) {
+        self.max_lag.set(max_lag.as_secs_f64());
+    }
+
     pub fn set_database_up(&self, up: bool) {
         self.database_up.set(i64::from(up));
     }
@@ -248,6 +261,7 @@ mod tests {
             "outbox_tenant_backoff_seconds{tenant=\"a\"} 0",
             "outbox_amqp_connected 0",
             "outbox_database_up 0",
+            "outbox_max_lag_seconds 0",
             "outbox_build_info{version=\"",
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");

@@ -105,6 +105,7 @@ pub struct Relay {
 
 impl Relay {
     pub fn new(config: Arc<Config>, store: Store, publisher: Publisher, metrics: Metrics) -> Relay {
+        metrics.set_max_lag(Duration::from_millis(config.max_lag_ms));
         Relay {
             budget: ByteBudget::new(config.max_bytes_in_flight),
             budget_share: config.max_bytes_in_flight / config.concurrency,

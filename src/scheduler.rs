@@ -383,7 +383,7 @@ impl Scheduler {
                 && self.unconfigured.insert(tenant.clone())
             {
                 tracing::warn!(
-                    tenant = %tenant,
+                    tenant = ?tenant,
                     "rows are pending for a tenant this relay is not configured for; they stay pending until a relay lists it in `tenants`"
                 );
             }

@@ -137,16 +137,38 @@ impl<T, F: Fn(&str) -> Result<T, String>> Rule<T> for Parse<F> {
     }
 }
 
-/// A PostgreSQL identifier: 1 to 63 bytes, no NUL.
-pub struct Identifier;
+/// A PostgreSQL identifier: 1 to `max` bytes (63 for PostgreSQL's own
+/// limit, less for a name the relay derives others from), no NUL.
+pub struct Identifier {
+    pub max: usize,
+    /// Why the limit is lower than PostgreSQL's, if it is.
+    pub because: &'static str,
+}
+
+/// A schema's name.
+pub const SCHEMA_NAME: Identifier = Identifier {
+    max: 63,
+    because: "",
+};
+
+/// A table's name: its partial index is named `<table>_pending`, which must
+/// fit PostgreSQL's 63 bytes too (a longer one is cut, and the relay would
+/// not find its index).
+pub const TABLE_NAME: Identifier = Identifier {
+    max: 63 - "_pending".len(),
+    because: " (its partial index is named <table>_pending, within PostgreSQL's 63)",
+};
 
 impl Rule<String> for Identifier {
     fn read(&self, raw: &Value) -> Result<String, Rejected> {
         let name = text().read(raw)?;
-        if name.is_empty() || name.len() > 63 || name.contains('\0') {
+        if name.is_empty() || name.len() > self.max || name.contains('\0') {
             return Err(Rejected {
                 shown: format!("\"{name}\""),
-                reason: "must be a PostgreSQL identifier of 1 to 63 bytes".into(),
+                reason: format!(
+                    "must be a PostgreSQL identifier of 1 to {} bytes{}",
+                    self.max, self.because
+                ),
             });
         }
         Ok(name)
