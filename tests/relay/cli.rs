@@ -311,7 +311,7 @@ async fn sigterm_during_a_batch_exits_0_and_loses_nothing() {
         "the in-flight batch was allowed to finish:\n{output}"
     );
     let received: HashSet<i64> = broker.received().iter().map(|r| r.id).collect();
-    eventually("marked rows received", Duration::from_secs(10), || async {
+    eventually("marked rows received", Duration::from_secs(30), || async {
         let received: HashSet<i64> = broker.received().iter().map(|r| r.id).collect();
         published.iter().all(|id| received.contains(id))
     })
