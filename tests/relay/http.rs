@@ -1,7 +1,7 @@
 //! The HTTP server cannot be held: half-sent requests neither block `/readyz`
 //! nor delay SIGTERM, connections past the cap are closed at once and the
 //! relay's file descriptors stay bounded, and concurrent `/healthz` callers
-//! share one lag query.
+//! share one lag query. A failed bind of `http_addr` is said once.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -11,8 +11,8 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use crate::support::{
-    Broker, Outbox, config, eventually, http_get, pg_client, relay_env, set_env, spawn_relay,
-    start_relay,
+    AMQP_URL, Broker, DATABASE_URL, Outbox, config, eventually, http_get, pg_client, relay_command,
+    relay_env, set_env, spawn_relay, start_relay,
 };
 
 /// The relay's limits (`http::Limits::DEFAULT`).
@@ -282,4 +282,35 @@ async fn concurrent_healthz_callers_share_one_lag_query() {
     relay.stop().await;
     broker.delete().await;
     outbox.drop_schema().await;
+}
+
+#[test]
+fn a_failed_bind_is_reported_once() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = taken.local_addr().expect("addr").to_string();
+    let output = relay_command()
+        .envs([
+            ("OUTBOX_TENANTS", "a"),
+            ("OUTBOX_DATABASE_URL", DATABASE_URL),
+            ("OUTBOX_AMQP_URL", AMQP_URL),
+            ("OUTBOX_HTTP_ADDR", addr.as_str()),
+            ("OUTBOX_LOG_FORMAT", "text"),
+        ])
+        .output()
+        .expect("the binary runs");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert_eq!(output.status.code(), Some(1), "{stdout}{stderr}");
+    let said = format!("cannot listen on {addr}");
+    assert_eq!(
+        stdout.matches(&said).count() + stderr.matches(&said).count(),
+        1,
+        "said once:\nstdout: {stdout}\nstderr: {stderr}"
+    );
+    assert!(
+        stderr.starts_with("outbox-relay: cannot listen on"),
+        "{stderr}"
+    );
 }
