@@ -2,32 +2,225 @@
 //! database), `/livez` (the scheduler turns), `/readyz` (database and broker
 //! connected) and `/metrics`. Liveness, readiness and lag are three different
 //! questions: a lagging relay is neither dead nor unready.
+//!
+//! No client can hold the server: [`serve`] reads a request's headers within
+//! [`Limits::header_read`], answers within [`Limits::request`], keeps at most
+//! [`Limits::connections`] connections open (one more is accepted and closed
+//! at once), and on shutdown closes every connection at once, idle, half-sent
+//! or in flight. `/healthz` callers share one lag query ([`LagRounds`]).
 
-use std::sync::Arc;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
+use futures_util::FutureExt;
+use futures_util::future::{BoxFuture, Shared};
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
 use serde::Serialize;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
 
 use crate::relay::Relay;
+use crate::store::TenantLag;
 
 /// The scheduler turns at least once per poll interval; a heartbeat older than
 /// this many intervals (plus a margin for a slow machine) means it is stuck.
 const LIVENESS_POLLS: u32 = 5;
 const LIVENESS_MARGIN: Duration = Duration::from_secs(30);
 
-/// The router, for `axum::serve` or an in-process test.
+/// How long [`serve`] lets a client take, and how many it serves at once.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// From a connection's opening (or the end of its previous response) to
+    /// the last byte of a request's headers; past it the connection is
+    /// closed. Bounds idle keep-alive connections too.
+    pub header_read: Duration,
+    /// From a request's headers to its response; past it the answer is 503.
+    /// Longer than the store's own deadlines (pool wait 5 s, query 10 s), so
+    /// that `/healthz` reports the database's failure itself.
+    pub request: Duration,
+    /// Open connections at most; one past it is accepted and closed at once.
+    pub connections: usize,
+    /// The longest a connection stays open, whatever it does (a client that
+    /// stops reading a response is cut off then).
+    pub lifetime: Duration,
+}
+
+impl Limits {
+    /// The relay's limits: probes and scrapers send a whole request at once.
+    pub const DEFAULT: Limits = Limits {
+        header_read: Duration::from_secs(5),
+        request: Duration::from_secs(20),
+        connections: 512,
+        lifetime: Duration::from_secs(60),
+    };
+}
+
+/// Pause after a failed `accept` (e.g. out of file descriptors), so that a
+/// connection the kernel keeps offering does not spin the loop.
+const ACCEPT_RETRY: Duration = Duration::from_millis(100);
+
+/// Serves `app` on `listener` within `limits` until `stop` resolves, then
+/// closes every connection at once and returns.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: Limits,
+    stop: impl Future<Output = ()>,
+) {
+    let app = app.layer(middleware::from_fn_with_state(
+        limits.request,
+        request_deadline,
+    ));
+    let open = Arc::new(Semaphore::new(limits.connections));
+    let mut connections = JoinSet::new();
+    // Whether the cap has been logged since it was last reached.
+    let mut full = false;
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            () = &mut stop => break,
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => match open.clone().try_acquire_owned() {
+                    Ok(permit) => {
+                        full = false;
+                        let conn = connection(stream, peer, &app, limits);
+                        connections.spawn(async move {
+                            conn.await;
+                            drop(permit);
+                        });
+                    }
+                    Err(_) => {
+                        if !full {
+                            full = true;
+                            tracing::warn!(
+                                limit = limits.connections,
+                                "HTTP connection cap reached: closing new connections until one ends"
+                            );
+                        }
+                        drop(stream);
+                    }
+                },
+                Err(error) => {
+                    tracing::warn!(%error, "cannot accept an HTTP connection");
+                    tokio::select! {
+                        () = &mut stop => break,
+                        () = tokio::time::sleep(ACCEPT_RETRY) => {}
+                    }
+                }
+            },
+        }
+    }
+    drop(listener);
+    // Idle, half-sent or answering: none of them may delay the exit.
+    connections.shutdown().await;
+}
+
+/// One accepted connection, served until it ends, fails or outlives
+/// [`Limits::lifetime`].
+fn connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    app: &Router,
+    limits: Limits,
+) -> impl Future<Output = ()> + Send + 'static {
+    let conn = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read)
+        .serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
+    async move {
+        match tokio::time::timeout(limits.lifetime, conn).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => tracing::debug!(%peer, %error, "HTTP connection ended"),
+            Err(_) => tracing::debug!(%peer, "HTTP connection closed at its lifetime limit"),
+        }
+    }
+}
+
+/// Answers 503 for a request whose handler takes longer than `limit`.
+async fn request_deadline(State(limit): State<Duration>, request: Request, next: Next) -> Response {
+    match tokio::time::timeout(limit, next.run(request)).await {
+        Ok(response) => response,
+        Err(_) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("no answer within {} ms\n", limit.as_millis()),
+        )
+            .into_response(),
+    }
+}
+
+/// What every handler reads.
+#[derive(Clone)]
+struct Endpoints {
+    relay: Arc<Relay>,
+    lag: Arc<LagRounds>,
+}
+
+/// The router, for [`serve`] or an in-process test.
 pub fn router(relay: Arc<Relay>) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
         .route("/livez", get(livez))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .with_state(relay)
+        .with_state(Endpoints {
+            relay,
+            lag: Arc::new(LagRounds::default()),
+        })
+}
+
+/// One round of the lag query: its rows, or the error's text.
+type LagResult = Result<Arc<Vec<TenantLag>>, Arc<str>>;
+
+/// The `/healthz` lag query, coalesced: a caller that arrives while a round
+/// runs waits for that round instead of starting its own, so the database
+/// sees at most one lag query from this relay at a time, however many ask.
+/// Nothing is cached: the first caller after a round ended starts a new one.
+#[derive(Default)]
+pub struct LagRounds {
+    current: Mutex<Option<Shared<BoxFuture<'static, LagResult>>>>,
+}
+
+impl LagRounds {
+    /// The running round's result, or that of a new round `start`s.
+    pub async fn join<F>(&self, start: impl FnOnce() -> F) -> LagResult
+    where
+        F: Future<Output = LagResult> + Send + 'static,
+    {
+        let round = {
+            let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+            match current.as_ref() {
+                Some(round) if round.peek().is_none() => round.clone(),
+                _ => {
+                    // Its own task: a caller that gives up does not cancel the
+                    // query half-way for the others.
+                    let task = tokio::spawn(start());
+                    let round = async move {
+                        task.await.unwrap_or_else(|error| {
+                            Err(Arc::from(format!(
+                                "the lag query ended abnormally: {error}"
+                            )))
+                        })
+                    }
+                    .boxed()
+                    .shared();
+                    *current = Some(round.clone());
+                    round
+                }
+            }
+        };
+        round.await
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -48,17 +241,32 @@ struct TenantHealth {
 /// Each configured tenant's lag, as the gauge reports it: the database's
 /// measure of its oldest pending row, or how long the poll has seen that row
 /// waiting, whichever is longer (see `lag`).
-async fn healthz(State(relay): State<Arc<Relay>>) -> Response {
+async fn healthz(State(endpoints): State<Endpoints>) -> Response {
+    let relay = &endpoints.relay;
     let max_lag_ms = relay.config.max_lag_ms;
-    match relay.store.tenant_lag(&relay.config.tenants).await {
+    let lags = endpoints
+        .lag
+        .join(|| {
+            let relay = relay.clone();
+            async move {
+                relay
+                    .store
+                    .tenant_lag(&relay.config.tenants)
+                    .await
+                    .map(Arc::new)
+                    .map_err(|error| Arc::from(error.to_string()))
+            }
+        })
+        .await;
+    match lags {
         Ok(lags) => {
             let now = tokio::time::Instant::now();
             let lags: Vec<TenantHealth> = lags
-                .into_iter()
+                .iter()
                 .map(|t| TenantHealth {
                     lag_ms: relay.lag.lag_ms(&t.tenant, t.oldest_id, t.lag_ms, now),
                     pending: t.oldest_id.is_some(),
-                    tenant: t.tenant,
+                    tenant: t.tenant.clone(),
                 })
                 .collect();
             let lagging = lags
@@ -89,7 +297,7 @@ async fn healthz(State(relay): State<Arc<Relay>>) -> Response {
     }
 }
 
-async fn livez(State(relay): State<Arc<Relay>>) -> Response {
+async fn livez(State(Endpoints { relay, .. }): State<Endpoints>) -> Response {
     let limit = relay.config.poll_interval() * LIVENESS_POLLS + LIVENESS_MARGIN;
     let age = relay.heartbeat_age();
     if age <= limit {
@@ -107,7 +315,7 @@ struct Readiness {
     broker: bool,
 }
 
-async fn readyz(State(relay): State<Arc<Relay>>) -> Response {
+async fn readyz(State(Endpoints { relay, .. }): State<Endpoints>) -> Response {
     let database = relay.metrics.database_is_up();
     let broker = relay.publisher.is_ready();
     let ready = database && broker;
@@ -127,7 +335,7 @@ async fn readyz(State(relay): State<Arc<Relay>>) -> Response {
         .into_response()
 }
 
-async fn metrics(State(relay): State<Arc<Relay>>) -> Response {
+async fn metrics(State(Endpoints { relay, .. }): State<Endpoints>) -> Response {
     (
         [(
             header::CONTENT_TYPE,

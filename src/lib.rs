@@ -102,14 +102,7 @@ pub async fn serve(
     let http = tokio::spawn({
         let app = http::router(relay.clone());
         let stop = rest_stop.clone();
-        async move {
-            if let Err(error) = axum::serve(listener, app)
-                .with_graceful_shutdown(stop.fired())
-                .await
-            {
-                tracing::error!(%error, "HTTP server failed");
-            }
-        }
+        async move { http::serve(listener, app, http::Limits::DEFAULT, stop.fired()).await }
     });
     let broker = tokio::spawn(relay.publisher.clone().supervise(rest_stop.clone().fired()));
     let connected_gauge = tokio::spawn(mirror_connected(relay.clone()));

@@ -207,13 +207,13 @@ async fn status(config: Config, json: bool, wide: bool) -> ExitCode {
     }
 }
 
+/// A failure is said once, on stderr, as a configuration error is: not also
+/// as a log line (on a terminal the two showed the same text twice).
 fn report_exit(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            let error = causes(&error);
-            tracing::error!(%error, "outbox-relay failed");
-            eprintln!("outbox-relay: {error}");
+            eprintln!("outbox-relay: {}", causes(&error));
             ExitCode::from(EXIT_FATAL)
         }
     }

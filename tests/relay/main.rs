@@ -6,6 +6,7 @@ mod cli;
 mod delivery;
 mod deploy;
 mod faults;
+mod http;
 mod memory;
 mod proxy;
 mod refusals;

@@ -1,0 +1,316 @@
+//! The HTTP server cannot be held: half-sent requests neither block `/readyz`
+//! nor delay SIGTERM, connections past the cap are closed at once and the
+//! relay's file descriptors stay bounded, and concurrent `/healthz` callers
+//! share one lag query. A failed bind of `http_addr` is said once.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::time::Instant;
+
+use crate::support::{
+    AMQP_URL, Broker, DATABASE_URL, Outbox, config, eventually, http_get, pg_client, relay_command,
+    relay_env, set_env, spawn_relay, start_relay,
+};
+
+/// The relay's limits (`http::Limits::DEFAULT`).
+const CONNECTION_CAP: usize = 512;
+const HEADER_READ: Duration = Duration::from_secs(5);
+/// Descriptors the relay may open or close beside the test's connections
+/// (database pool, broker, a connection being accepted and closed).
+const FD_SLACK: usize = 16;
+
+/// The relay process's open file descriptors.
+fn fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("the relay's /proc/<pid>/fd is readable")
+        .count()
+}
+
+/// `n` connections that each send the start of a request and never finish it.
+async fn half_sent(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
+    let mut held = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        stream
+            .write_all(b"GET /readyz HTTP/1.1\r\nHost: relay\r\nX-Slow: ")
+            .await
+            .expect("send part of a request");
+        held.push(stream);
+    }
+    held
+}
+
+/// Whether the relay closed `stream` (an answer, an end or a reset) by `deadline`.
+async fn closed_by(stream: &mut TcpStream, deadline: Instant) -> bool {
+    let mut sink = Vec::new();
+    tokio::time::timeout_at(deadline, stream.read_to_end(&mut sink))
+        .await
+        .is_ok()
+}
+
+async fn readyz_ok(addr: SocketAddr) -> bool {
+    http_get(addr, "/readyz").await.0 == 200
+}
+
+#[tokio::test]
+async fn hundreds_of_half_sent_requests_neither_block_readyz_nor_delay_sigterm() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let mut env = relay_env(&outbox, &broker, &["a"]);
+    set_env(&mut env, "OUTBOX_SHUTDOWN_GRACE_MS", "3000");
+    let (mut relay, addr) = spawn_relay(&env).await;
+    let pid = relay.child.id();
+    eventually("the relay is ready", Duration::from_secs(20), || {
+        readyz_ok(addr)
+    })
+    .await;
+    let baseline = fds(pid);
+
+    let opened = Instant::now();
+    let held = half_sent(addr, 300).await;
+    eventually(
+        "the relay holds the 300 half-sent requests",
+        Duration::from_secs(10),
+        || async { fds(pid) + FD_SLACK >= baseline + 300 },
+    )
+    .await;
+    let (code, body) = http_get(addr, "/readyz").await;
+    assert_eq!(code, 200, "/readyz beside 300 half-sent requests: {body}");
+    let open_at_term = fds(pid);
+    assert!(
+        open_at_term + FD_SLACK >= baseline + 300 && opened.elapsed() < HEADER_READ,
+        "the half-sent requests are still open at SIGTERM ({open_at_term} fds, baseline {baseline}, {:?} after opening)",
+        opened.elapsed()
+    );
+
+    let asked = Instant::now();
+    relay.signal("TERM");
+    let code = relay.wait(Duration::from_secs(20)).await;
+    let took = asked.elapsed();
+    let output = relay.output();
+    assert_eq!(code, Some(0), "clean exit:\n{output}");
+    assert!(
+        took < Duration::from_millis(3000 + 1500),
+        "exited {took:?} after SIGTERM, grace 3 s:\n{output}"
+    );
+    assert!(output.contains("outbox-relay stopped"), "{output}");
+    drop(held);
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test]
+async fn connections_past_the_cap_are_closed_at_once_and_fds_stay_bounded() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let env = relay_env(&outbox, &broker, &["a"]);
+    let (mut relay, addr) = spawn_relay(&env).await;
+    let pid = relay.child.id();
+    eventually("the relay is ready", Duration::from_secs(20), || {
+        readyz_ok(addr)
+    })
+    .await;
+    let baseline = fds(pid);
+
+    // The cap's worth of half-sent requests, all held by the relay.
+    let opened = Instant::now();
+    let mut held = half_sent(addr, CONNECTION_CAP).await;
+    eventually(
+        "the relay holds the cap's worth of connections",
+        Duration::from_secs(10),
+        || async { fds(pid) + FD_SLACK >= baseline + CONNECTION_CAP },
+    )
+    .await;
+
+    // Past the cap: accepted and closed at once, well before any timeout.
+    let mut extra = Vec::new();
+    for _ in 0..100 {
+        extra.push(
+            TcpStream::connect(addr)
+                .await
+                .expect("connect past the cap"),
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let mut most = fds(pid);
+    for stream in &mut extra {
+        assert!(
+            closed_by(stream, deadline).await,
+            "a connection past the cap was left open"
+        );
+        most = most.max(fds(pid));
+    }
+    let mut probe = TcpStream::connect(addr).await.expect("connect");
+    let _ = probe
+        .write_all(b"GET /readyz HTTP/1.0\r\nHost: relay\r\n\r\n")
+        .await;
+    assert!(
+        closed_by(&mut probe, Instant::now() + Duration::from_secs(2)).await,
+        "a probe past the cap is refused at once, not left waiting"
+    );
+    assert!(
+        most <= baseline + CONNECTION_CAP + FD_SLACK,
+        "open fds stay bounded by the cap: {most} (baseline {baseline}, cap {CONNECTION_CAP})"
+    );
+
+    // The held ones end at the header-read timeout; then /readyz answers again.
+    let deadline = opened + HEADER_READ + Duration::from_secs(3);
+    for stream in &mut held {
+        assert!(
+            closed_by(stream, deadline).await,
+            "a half-sent request outlived the header-read timeout"
+        );
+    }
+    eventually(
+        "/readyz answers once the held connections are gone",
+        Duration::from_secs(5),
+        || readyz_ok(addr),
+    )
+    .await;
+    eventually(
+        "the relay's fds return to their baseline",
+        Duration::from_secs(5),
+        || async { fds(pid) <= baseline + FD_SLACK },
+    )
+    .await;
+
+    relay.signal("TERM");
+    assert_eq!(relay.wait(Duration::from_secs(20)).await, Some(0));
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test]
+async fn concurrent_healthz_callers_share_one_lag_query() {
+    let outbox = Outbox::create().await;
+    // `stuck`'s rows are unroutable until its key is bound: they stay pending.
+    let broker = Broker::create(&["ok.#"]).await;
+    outbox
+        .execute(
+            "INSERT INTO {outbox} (tenant_id, kind, subject_id, payload, occurred_at)
+             VALUES ('stuck', 'thing.changed', 's-1', '{}', now() - interval '1 hour')",
+        )
+        .await;
+    let relay = start_relay(config(&outbox, &broker, &["ok", "stuck"])).await;
+    eventually("the relay is ready", Duration::from_secs(20), || {
+        readyz_ok(relay.addr)
+    })
+    .await;
+
+    // Lag queries over this table, as PostgreSQL sees them (not this one).
+    let observer = pg_client().await;
+    let lag_queries = || async {
+        let row = observer
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE pid <> pg_backend_pid() AND state = 'active'
+                   AND position('WITH ORDINALITY' IN query) > 0
+                   AND position($1 IN query) > 0",
+                &[&outbox.schema],
+            )
+            .await
+            .expect("pg_stat_activity");
+        row.get::<_, i64>(0)
+    };
+
+    // The table locked: every lag query waits, so the callers overlap.
+    let locker = pg_client().await;
+    locker
+        .batch_execute(&format!(
+            "BEGIN; LOCK TABLE {} IN ACCESS EXCLUSIVE MODE",
+            outbox.qualified()
+        ))
+        .await
+        .expect("lock the table");
+    let callers: Vec<_> = (0..20)
+        .map(|_| tokio::spawn(http_get(relay.addr, "/healthz")))
+        .collect();
+    eventually(
+        "a lag query waits on the table",
+        Duration::from_secs(10),
+        || async { lag_queries().await >= 1 },
+    )
+    .await;
+    // Held for a second (the fault's duration): never more than one query.
+    let held_until = Instant::now() + Duration::from_secs(1);
+    let mut most = 0;
+    while Instant::now() < held_until {
+        most = most.max(lag_queries().await);
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(
+        callers.iter().all(|c| !c.is_finished()),
+        "every caller is still waiting for the lag"
+    );
+    locker.batch_execute("COMMIT").await.expect("unlock");
+    assert_eq!(
+        most, 1,
+        "20 concurrent /healthz callers ran {most} lag queries"
+    );
+
+    for caller in callers {
+        let (code, body) = caller.await.expect("caller");
+        assert_eq!(code, 503, "lagging: {body}");
+        let health: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+        assert_eq!(health["status"], "lagging", "{body}");
+        let tenants = health["tenants"].as_array().expect("tenants");
+        assert_eq!(tenants[0]["tenant"], "ok", "{body}");
+        assert_eq!(tenants[0]["pending"], false, "{body}");
+        assert_eq!(tenants[0]["lag_ms"], 0, "{body}");
+        assert_eq!(tenants[1]["tenant"], "stuck", "{body}");
+        assert_eq!(tenants[1]["pending"], true, "{body}");
+        assert!(
+            tenants[1]["lag_ms"].as_i64().expect("lag") >= 3_600_000,
+            "{body}"
+        );
+    }
+
+    // Nothing cached: once the row goes out, the next caller sees it.
+    broker.bind("stuck.#").await;
+    eventually(
+        "/healthz turns 200 once the row is published",
+        Duration::from_secs(20),
+        || async {
+            let (code, body) = relay.get("/healthz").await;
+            code == 200 && body.contains("\"status\":\"ok\"")
+        },
+    )
+    .await;
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[test]
+fn a_failed_bind_is_reported_once() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = taken.local_addr().expect("addr").to_string();
+    let output = relay_command()
+        .envs([
+            ("OUTBOX_TENANTS", "a"),
+            ("OUTBOX_DATABASE_URL", DATABASE_URL),
+            ("OUTBOX_AMQP_URL", AMQP_URL),
+            ("OUTBOX_HTTP_ADDR", addr.as_str()),
+            ("OUTBOX_LOG_FORMAT", "text"),
+        ])
+        .output()
+        .expect("the binary runs");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr),
+    );
+    assert_eq!(output.status.code(), Some(1), "{stdout}{stderr}");
+    let said = format!("cannot listen on {addr}");
+    assert_eq!(
+        stdout.matches(&said).count() + stderr.matches(&said).count(),
+        1,
+        "said once:\nstdout: {stdout}\nstderr: {stderr}"
+    );
+    assert!(
+        stderr.starts_with("outbox-relay: cannot listen on"),
+        "{stderr}"
+    );
+}
