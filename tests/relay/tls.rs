@@ -570,6 +570,9 @@ async fn a_wrong_ca_is_refused_at_once_with_a_clear_error_and_the_relay_is_not_r
             &format!("cacertfile={}", pki.path("other-ca.pem")),
         ),
     );
+    // The private CA as the system's roots: refused all the same, because
+    // sslrootcert and cacertfile replace the system's roots.
+    set_env(&mut env, "SSL_CERT_FILE", pki.path("ca.pem"));
     let (mut process, addr) = spawn_relay(&env).await;
     eventually(
         "both refusals are logged, naming the certificate",
