@@ -20,8 +20,8 @@ use tokio_postgres::NoTls;
 use tokio_rustls::rustls;
 
 use crate::support::{
-    self, Broker, Outbox, eventually, http_get, relay_env, set_env, spawn_relay, start_relay,
-    unique,
+    self, Broker, Outbox, eventually, http_get, relay_command, relay_env, set_env, spawn_relay,
+    start_relay, unique,
 };
 
 /// The private CA (and an unrelated one), with certificates it signed.
@@ -355,8 +355,8 @@ fn pem_certs(path: &str) -> Vec<rustls::pki_types::CertificateDer<'static>> {
 }
 
 impl TlsProxy {
-    /// Serves the `localhost` certificate; with `client_ca`, requires a
-    /// client certificate that CA signed.
+    /// Serves the `localhost` certificate; with `require_client_cert`,
+    /// requires a client certificate the private CA signed.
     async fn start(require_client_cert: bool) -> TlsProxy {
         use rustls::pki_types::pem::PemObject;
         let pki = pki();
@@ -720,4 +720,47 @@ async fn a_client_certificate_the_server_requires_is_presented_and_its_absence_r
         || async { with.publisher.is_ready() },
     )
     .await;
+}
+
+#[test]
+fn tls_settings_that_cannot_hold_exit_2_naming_the_key_and_parameter() {
+    let pki = pki();
+    for (key, url, says) in [
+        (
+            "OUTBOX_DATABASE_URL",
+            "postgres://u:hunter2@db/x?sslmode=prefer".to_string(),
+            "sslmode=prefer would connect without TLS",
+        ),
+        (
+            "OUTBOX_DATABASE_URL",
+            format!(
+                "postgres://u:hunter2@db/x?sslmode=verify-ca&sslrootcert={}&sslcert={}&sslkey={}",
+                pki.path("ca.pem"),
+                pki.path("client.pem"),
+                pki.path("missing.key")
+            ),
+            "sslkey",
+        ),
+        (
+            "OUTBOX_AMQP_URL",
+            format!(
+                "amqps://u:hunter2@mq/%2f?cacertfile={}",
+                pki.path("missing.pem")
+            ),
+            "cacertfile",
+        ),
+    ] {
+        let output = relay_command()
+            .arg("check-config")
+            .env("OUTBOX_TENANTS", "a")
+            .env(key, &url)
+            .output()
+            .expect("the relay binary runs");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{url}: {stderr}");
+        let name = key.trim_start_matches("OUTBOX_").to_ascii_lowercase();
+        assert!(stderr.contains(&format!("{name} = ")), "{stderr}");
+        assert!(stderr.contains(says), "{stderr}");
+        assert!(!stderr.contains("hunter2"), "{stderr}");
+    }
 }
