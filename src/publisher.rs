@@ -25,7 +25,9 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::tcp::{AMQPUriTcpExt, RustlsConnector, TLSConfig};
 use lapin::types::{FieldTable, ShortString};
+use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{Channel, Connection, ConnectionProperties, Event, ExchangeKind};
 use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
@@ -289,7 +291,31 @@ impl Publisher {
     async fn connect(&self) -> Result<Arc<Session>, lapin::Error> {
         let properties =
             ConnectionProperties::default().with_connection_name("outbox-relay".into());
-        let connection = Connection::connect_uri(self.inner.target.uri.clone(), properties).await?;
+        let connection = match self.inner.target.tls.clone() {
+            None => Connection::connect_uri(self.inner.target.uri.clone(), properties).await?,
+            Some(tls) => {
+                let connector = RustlsConnector::from(tls.config);
+                let server_name = tls.server_name;
+                Connection::connector(
+                    self.inner.target.uri.clone(),
+                    lapin::runtime::default_runtime()?,
+                    // The TCP connection as for `amqp://`, then the TLS
+                    // handshake with the relay's own client configuration
+                    // (the CA file's roots only, the client certificate, the
+                    // checked name) instead of the AMQP client's, which
+                    // only adds to the system's roots.
+                    async move |mut uri: AMQPUri, runtime| {
+                        uri.scheme = AMQPScheme::AMQP;
+                        let plain = uri
+                            .connect_with_config_async(TLSConfig::default(), &runtime)
+                            .await?;
+                        Ok(plain.into_rustls(&connector, &server_name).await?)
+                    },
+                    properties,
+                )
+                .await?
+            }
+        };
         if self.inner.declare_exchange {
             let channel = connection.create_channel().await?;
             self.inner.declare_exchange(&channel).await?;

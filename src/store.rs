@@ -13,7 +13,6 @@
 //! sweep.
 
 use std::future::Future;
-use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
@@ -68,12 +67,6 @@ pub enum StoreError {
     Query(#[source] tokio_postgres::Error),
     #[error("database did not answer {0} within {1:?}")]
     Timeout(&'static str, Duration),
-    #[error("sslrootcert {}: {source}", path.display())]
-    RootCert {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
     #[error("cannot build the connection pool: {0}")]
     Build(#[source] BuildError),
     /// The table's `payload` column is missing, or of a type the relay would
@@ -111,10 +104,7 @@ impl StoreError {
     /// reachable, and the failure belongs to what was asked.
     pub fn is_unreachable(&self) -> bool {
         match self {
-            StoreError::Pool(_)
-            | StoreError::Timeout(..)
-            | StoreError::RootCert { .. }
-            | StoreError::Build(_) => true,
+            StoreError::Pool(_) | StoreError::Timeout(..) | StoreError::Build(_) => true,
             StoreError::Query(error) => connection_lost(error),
             StoreError::PayloadColumn { .. } => false,
         }
@@ -324,38 +314,17 @@ pub fn quote_ident(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
 }
 
-fn tls_connector(
-    root_cert: Option<&Path>,
-) -> Result<tokio_postgres_rustls::MakeRustlsConnect, StoreError> {
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in rustls_native_certs::load_native_certs().certs {
-        // A system certificate the TLS library cannot use is skipped, not fatal.
-        let _ = roots.add(cert);
-    }
-    if let Some(path) = root_cert {
-        let unusable = |source| StoreError::RootCert {
-            path: path.to_path_buf(),
-            source,
-        };
-        let pem = std::fs::read(path).map_err(unusable)?;
-        for cert in pem_certificates(&pem) {
-            roots
-                .add(cert)
-                .map_err(|e| unusable(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?;
-        }
-    }
-    let tls = rustls::ClientConfig::builder()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    Ok(tokio_postgres_rustls::MakeRustlsConnect::new(tls))
-}
-
-/// The certificates of a PEM file (any other blocks are skipped).
-fn pem_certificates(pem: &[u8]) -> Vec<rustls::pki_types::CertificateDer<'static>> {
-    use rustls::pki_types::pem::PemObject;
-    rustls::pki_types::CertificateDer::pem_slice_iter(pem)
-        .filter_map(Result::ok)
-        .collect()
+/// The connector the pool hands tokio-postgres: the target's TLS client
+/// configuration, or, for a plain target (`sslmode=disable`, never asked to
+/// use it), one that trusts nothing.
+fn tls_connector(tls: Option<&rustls::ClientConfig>) -> tokio_postgres_rustls::MakeRustlsConnect {
+    let config = match tls {
+        Some(config) => config.clone(),
+        None => rustls::ClientConfig::builder()
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth(),
+    };
+    tokio_postgres_rustls::MakeRustlsConnect::new(config)
 }
 
 impl Store {
@@ -364,10 +333,10 @@ impl Store {
     pub fn new(config: &Config) -> Result<Store, StoreError> {
         let DatabaseTarget {
             config: target,
-            root_cert,
+            tls,
             ..
         } = config.database_url.clone();
-        let tls = tls_connector(root_cert.as_deref())?;
+        let tls = tls_connector(tls.as_deref());
         let manager = Manager::from_config(
             target,
             tls,

@@ -3,15 +3,18 @@
 //! password masked for printing; neither's `Debug` or `Display` shows a secret,
 //! and no parse error quotes the URL.
 
+mod tls;
+
 use std::fmt;
-use std::path::PathBuf;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
-use lapin::uri::AMQPUri;
+use lapin::uri::{AMQPScheme, AMQPUri};
 use tokio_postgres::config::SslMode;
 
 use crate::redact::MASK;
+use tls::Check;
 
 /// Deadline for opening a database connection (TCP, TLS, authentication),
 /// unless the URL sets `connect_timeout`.
@@ -22,39 +25,33 @@ pub const DATABASE_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const DEFAULT_HEARTBEAT_SECS: u16 = 10;
 
 /// Where the outbox table lives: the driver's configuration plus what the
-/// driver does not parse itself (`sslmode=verify-full`/`verify-ca`,
-/// `sslrootcert`).
+/// driver does not do itself: TLS as libpq's `sslmode` (`require`,
+/// `verify-ca`, `verify-full`), `sslrootcert`, `sslcert` and `sslkey` ask.
 #[derive(Clone)]
 pub struct DatabaseTarget {
     pub config: tokio_postgres::Config,
-    pub root_cert: Option<PathBuf>,
+    /// The TLS client configuration when `sslmode` asks for TLS; `None`: plain.
+    pub tls: Option<Arc<rustls::ClientConfig>>,
     redacted: String,
 }
+
+/// The connection-string parameters the relay handles itself.
+const DATABASE_TLS_KEYS: [&str; 4] = ["sslmode", "sslrootcert", "sslcert", "sslkey"];
 
 impl FromStr for DatabaseTarget {
     type Err = String;
 
     /// Parses a URL (`postgres://…`) or key-value (`host=… dbname=…`)
-    /// connection string. The error text never contains the string itself.
+    /// connection string, and reads the TLS files it names. The error text
+    /// never contains the string itself.
     fn from_str(url: &str) -> Result<DatabaseTarget, String> {
-        let mut root_cert = None;
-        let mut verify = false;
-        let mut tls_asked = false;
-        let mut rewrite = |key: &str, value: &str| -> Option<(String, String)> {
-            match (key, value) {
-                ("sslmode", "verify-full" | "verify-ca") => {
-                    verify = true;
-                    Some((key.into(), "require".into()))
-                }
-                ("sslmode", _) => {
-                    tls_asked = true;
-                    Some((key.into(), value.into()))
-                }
-                ("sslrootcert", path) => {
-                    root_cert = Some(PathBuf::from(path));
-                    None
-                }
-                _ => Some((key.into(), value.into())),
+        let mut tls_params: Vec<(String, String)> = Vec::new();
+        let mut keep = |key: &str, value: &str| -> Option<(String, String)> {
+            if DATABASE_TLS_KEYS.contains(&key) {
+                tls_params.push((key.into(), value.into()));
+                None
+            } else {
+                Some((key.into(), value.into()))
             }
         };
         let url_form = url.starts_with("postgres://") || url.starts_with("postgresql://");
@@ -73,7 +70,7 @@ impl FromStr for DatabaseTarget {
             )?;
             let pairs: Vec<(String, String)> = parsed
                 .query_pairs()
-                .filter_map(|(k, v)| rewrite(&k, &v))
+                .filter_map(|(k, v)| keep(&k, &v))
                 .collect();
             if pairs.is_empty() {
                 parsed.set_query(None);
@@ -88,9 +85,47 @@ impl FromStr for DatabaseTarget {
         } else {
             let pairs: Vec<(String, String)> = super::dsn::known_pairs(url)?
                 .iter()
-                .filter_map(|(k, v)| rewrite(k, v))
+                .filter_map(|(k, v)| keep(k, v))
                 .collect();
             super::dsn::join(&pairs)
+        };
+        let param = |key: &str| {
+            tls_params
+                .iter()
+                .rev()
+                .find(|(k, _)| k == key)
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+        };
+        let files = tls::Files {
+            roots: param("sslrootcert"),
+            cert: param("sslcert"),
+            key: param("sslkey"),
+        };
+        let check = match param("sslmode").map(|(_, mode)| mode) {
+            None | Some("disable") => None,
+            Some("require" | "verify-full") => Some(Check::ChainAndName),
+            Some("verify-ca") => Some(Check::ChainOnly),
+            Some(mode @ ("prefer" | "allow")) => {
+                return Err(format!(
+                    "sslmode={mode} would connect without TLS when the server offers none; \
+                     use sslmode=require, verify-ca or verify-full (or disable)"
+                ));
+            }
+            Some(_) => {
+                return Err("sslmode must be disable, require, verify-ca or verify-full".into());
+            }
+        };
+        let tls = match check {
+            Some(check) => Some(Arc::new(tls::client_config(&files, check)?)),
+            None => {
+                if let Some((key, _)) = files.roots.or(files.cert).or(files.key) {
+                    return Err(format!(
+                        "{key} needs sslmode=require, verify-ca or verify-full \
+                         (without sslmode the connection is plain)"
+                    ));
+                }
+                None
+            }
         };
         let mut config: tokio_postgres::Config =
             cleaned.parse().map_err(|e: tokio_postgres::Error| {
@@ -99,14 +134,13 @@ impl FromStr for DatabaseTarget {
         if config.get_hosts().is_empty() {
             return Err("names no host".into());
         }
-        if verify {
-            config.ssl_mode(SslMode::Require);
-        }
-        // Without an sslmode the connection is plain (docs/design.md): TLS is
-        // asked for with sslmode=require or verify-full, and then always verified.
-        if !tls_asked && !verify {
-            config.ssl_mode(SslMode::Disable);
-        }
+        // Plain unless sslmode asks for TLS (docs/design.md); TLS is then
+        // always verified, by the client configuration above.
+        config.ssl_mode(if tls.is_some() {
+            SslMode::Require
+        } else {
+            SslMode::Disable
+        });
         if config.get_connect_timeout().is_none() {
             config.connect_timeout(DATABASE_CONNECT_TIMEOUT);
         }
@@ -119,10 +153,14 @@ impl FromStr for DatabaseTarget {
             .keepalives_idle(Duration::from_secs(15))
             .keepalives_interval(Duration::from_secs(5))
             .keepalives_retries(3);
-        let redacted = shown_database(&config, root_cert.as_deref(), url_form);
+        let shown_tls: Vec<(&str, &str)> = ["sslmode", "sslrootcert", "sslcert", "sslkey"]
+            .into_iter()
+            .filter_map(param)
+            .collect();
+        let redacted = shown_database(&config, &shown_tls, url_form);
         Ok(DatabaseTarget {
             config,
-            root_cert,
+            tls,
             redacted,
         })
     }
@@ -132,13 +170,35 @@ impl FromStr for DatabaseTarget {
 #[derive(Clone)]
 pub struct AmqpTarget {
     pub uri: AMQPUri,
+    /// TLS for `amqps://`; `None` for `amqp://`.
+    pub tls: Option<AmqpTls>,
     redacted: String,
 }
+
+/// An `amqps://` target's TLS, from RabbitMQ's URI parameters (`cacertfile`,
+/// `certfile`, `keyfile`, `verify`, `server_name_indication`).
+#[derive(Clone)]
+pub struct AmqpTls {
+    pub config: Arc<rustls::ClientConfig>,
+    /// The name the certificate is checked against and sent as SNI: the
+    /// URL's host unless `server_name_indication` names another.
+    pub server_name: String,
+}
+
+/// The `amqps://` parameters the relay handles (the AMQP client ignores them).
+const AMQP_TLS_KEYS: [&str; 5] = [
+    "cacertfile",
+    "certfile",
+    "keyfile",
+    "verify",
+    "server_name_indication",
+];
 
 impl FromStr for AmqpTarget {
     type Err = String;
 
-    /// Parses an `amqp://` or `amqps://` URL; the error never contains it.
+    /// Parses an `amqp://` or `amqps://` URL and reads the TLS files it
+    /// names; the error never contains the URL.
     fn from_str(url: &str) -> Result<AmqpTarget, String> {
         if !(url.starts_with("amqp://") || url.starts_with("amqps://")) {
             return Err("must start with amqp:// or amqps://".into());
@@ -152,8 +212,59 @@ impl FromStr for AmqpTarget {
         if uri.query.heartbeat.is_none() {
             uri.query.heartbeat = Some(DEFAULT_HEARTBEAT_SECS);
         }
-        let redacted = shown_amqp(&uri);
-        Ok(AmqpTarget { uri, redacted })
+        let query: Vec<(String, String)> = url::Url::parse(url)
+            .map_err(|e| format!("not a valid AMQP URL: {e}"))?
+            .query_pairs()
+            .filter(|(k, _)| AMQP_TLS_KEYS.contains(&k.as_ref()))
+            .map(|(k, v)| (k.into_owned(), v.into_owned()))
+            .collect();
+        let param = |key: &str| {
+            query
+                .iter()
+                .rev()
+                .find(|(k, _)| k == key)
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+        };
+        let tls = match uri.scheme {
+            AMQPScheme::AMQP => {
+                if let Some((key, _)) = query.first() {
+                    return Err(format!("{key} needs amqps://"));
+                }
+                None
+            }
+            AMQPScheme::AMQPS => {
+                match param("verify").map(|(_, v)| v) {
+                    None | Some("verify_peer") => {}
+                    Some("verify_none") => {
+                        return Err("verify=verify_none is refused: the broker's certificate \
+                                    is always verified (name its CA with cacertfile)"
+                            .into());
+                    }
+                    Some(_) => return Err("verify must be verify_peer".into()),
+                }
+                let (check, server_name) = match param("server_name_indication") {
+                    None => (Check::ChainAndName, uri.authority.host.clone()),
+                    Some((_, "disable")) => (Check::ChainOnly, uri.authority.host.clone()),
+                    Some((_, name)) => (Check::ChainAndName, name.to_string()),
+                };
+                if rustls::pki_types::ServerName::try_from(server_name.as_str()).is_err() {
+                    return Err("the server name (host or server_name_indication) is not a valid DNS name or IP address".into());
+                }
+                let files = tls::Files {
+                    roots: param("cacertfile"),
+                    cert: param("certfile"),
+                    key: param("keyfile"),
+                };
+                let mut config = tls::client_config(&files, check)?;
+                config.enable_sni = check == Check::ChainAndName;
+                Some(AmqpTls {
+                    config: Arc::new(config),
+                    server_name,
+                })
+            }
+        };
+        let redacted = shown_amqp(&uri, &query);
+        Ok(AmqpTarget { uri, tls, redacted })
     }
 }
 
@@ -172,11 +283,7 @@ fn misplaced_userinfo(url: &str) -> Result<(), String> {
 
 /// A database target as printed: built from what was parsed, never from the
 /// text given, so no malformed input can carry a password into the output.
-fn shown_database(
-    config: &tokio_postgres::Config,
-    root_cert: Option<&std::path::Path>,
-    url_form: bool,
-) -> String {
+fn shown_database(config: &tokio_postgres::Config, tls: &[(&str, &str)], url_form: bool) -> String {
     use tokio_postgres::config::Host;
     let hosts: Vec<String> = config
         .get_hosts()
@@ -196,12 +303,6 @@ fn shown_database(
     let user = config.get_user().unwrap_or_default();
     let password = config.get_password().is_some();
     let dbname = config.get_dbname().unwrap_or_default();
-    let sslmode = match config.get_ssl_mode() {
-        SslMode::Disable => "disable",
-        SslMode::Prefer => "prefer",
-        SslMode::Require => "require",
-        _ => "other",
-    };
     if url_form {
         let userinfo = match (user.is_empty(), password) {
             (true, _) => String::new(),
@@ -209,11 +310,10 @@ fn shown_database(
             (false, false) => format!("{user}@"),
         };
         let mut shown = format!("postgres://{userinfo}{}/{dbname}", hosts.join(","));
-        if sslmode != "disable" {
-            shown.push_str(&format!("?sslmode={sslmode}"));
-            if let Some(path) = root_cert {
-                shown.push_str(&format!("&sslrootcert={}", path.display()));
-            }
+        let query: Vec<String> = tls.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        if !query.is_empty() {
+            shown.push('?');
+            shown.push_str(&query.join("&"));
         }
         shown
     } else {
@@ -227,16 +327,14 @@ fn shown_database(
         if !dbname.is_empty() {
             pairs.push(format!("dbname={dbname}"));
         }
-        pairs.push(format!("sslmode={sslmode}"));
-        if let Some(path) = root_cert {
-            pairs.push(format!("sslrootcert={}", path.display()));
-        }
+        pairs.extend(tls.iter().map(|(k, v)| format!("{k}={v}")));
         pairs.join(" ")
     }
 }
 
-/// An AMQP target as printed, built from what was parsed.
-fn shown_amqp(uri: &AMQPUri) -> String {
+/// An AMQP target as printed, built from what was parsed (and its TLS
+/// parameters, file paths and names, none of them secret).
+fn shown_amqp(uri: &AMQPUri, tls: &[(String, String)]) -> String {
     let scheme = match uri.scheme {
         lapin::uri::AMQPScheme::AMQP => "amqp",
         lapin::uri::AMQPScheme::AMQPS => "amqps",
@@ -258,7 +356,13 @@ fn shown_amqp(uri: &AMQPUri) -> String {
             _ => format!("%{b:02x}"),
         })
         .collect();
-    format!("{scheme}://{userinfo}{}:{}/{vhost}", auth.host, auth.port)
+    let mut shown = format!("{scheme}://{userinfo}{}:{}/{vhost}", auth.host, auth.port);
+    let query: Vec<String> = tls.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    if !query.is_empty() {
+        shown.push('?');
+        shown.push_str(&query.join("&"));
+    }
+    shown
 }
 
 /// Both targets print as their URL with the password masked.
@@ -283,15 +387,88 @@ shown_redacted!(DatabaseTarget, AmqpTarget);
 mod tests {
     use super::*;
 
+    /// A private CA, and a certificate and key it signed, made with the
+    /// machine's `openssl`, in a temporary directory.
+    fn private_ca() -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        let run = |args: &[&str]| {
+            let status = std::process::Command::new("openssl")
+                .args(args)
+                .current_dir(dir.path())
+                .stderr(std::process::Stdio::null())
+                .status()
+                .unwrap();
+            assert!(status.success(), "openssl {args:?}");
+        };
+        run(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.pem",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=test CA",
+        ]);
+        run(&[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            "client.key",
+            "-out",
+            "client.csr",
+            "-subj",
+            "/CN=relay",
+        ]);
+        std::fs::write(
+            dir.path().join("client.ext"),
+            "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n",
+        )
+        .unwrap();
+        run(&[
+            "x509",
+            "-req",
+            "-in",
+            "client.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "client.pem",
+            "-days",
+            "2",
+            "-extfile",
+            "client.ext",
+        ]);
+        dir
+    }
+
     #[test]
     fn database_urls_and_key_value_strings_parse_with_the_relays_defaults() {
-        let target: DatabaseTarget =
-            "postgres://app:pa55@db:6432/orders?sslmode=verify-full&sslrootcert=/ca.pem"
-                .parse()
-                .unwrap();
+        let ca = private_ca();
+        let path = |name: &str| ca.path().join(name).display().to_string();
+        let target: DatabaseTarget = format!(
+            "postgres://app:pa55@db:6432/orders?sslmode=verify-full&sslrootcert={}",
+            path("ca.pem")
+        )
+        .parse()
+        .unwrap();
         assert_eq!(target.config.get_dbname(), Some("orders"));
         assert_eq!(target.config.get_ssl_mode(), SslMode::Require);
-        assert_eq!(target.root_cert, Some(PathBuf::from("/ca.pem")));
+        assert!(target.tls.is_some());
         assert_eq!(
             target.config.get_connect_timeout(),
             Some(&DATABASE_CONNECT_TIMEOUT)
@@ -301,7 +478,153 @@ mod tests {
 
         let plain: DatabaseTarget = "host=db user=app password=pa55 dbname=x".parse().unwrap();
         assert_eq!(plain.config.get_ssl_mode(), SslMode::Disable);
+        assert!(plain.tls.is_none());
         assert!(!format!("{plain:?}").contains("pa55"));
+
+        for mode in ["require", "verify-ca", "verify-full"] {
+            let kv: DatabaseTarget = format!(
+                "host=db user=app sslmode={mode} sslrootcert={} sslcert={} sslkey={}",
+                path("ca.pem"),
+                path("client.pem"),
+                path("client.key")
+            )
+            .parse()
+            .unwrap_or_else(|e| panic!("{mode}: {e}"));
+            assert_eq!(kv.config.get_ssl_mode(), SslMode::Require);
+            assert!(
+                kv.tls
+                    .as_ref()
+                    .unwrap()
+                    .client_auth_cert_resolver
+                    .has_certs()
+            );
+        }
+    }
+
+    #[test]
+    fn database_tls_settings_that_would_not_hold_are_refused_naming_the_parameter() {
+        let ca = private_ca();
+        let path = |name: &str| ca.path().join(name).display().to_string();
+        let refused = |url: String, says: &str| {
+            let error = url.parse::<DatabaseTarget>().unwrap_err();
+            assert!(error.contains(says), "{url}: {error}");
+            assert!(!error.contains("pa55"), "{error}");
+        };
+        for mode in ["prefer", "allow"] {
+            refused(
+                format!("postgres://u:pa55@db/x?sslmode={mode}"),
+                &format!("sslmode={mode} would connect without TLS"),
+            );
+        }
+        refused(
+            "postgres://u:pa55@db/x?sslmode=on".into(),
+            "sslmode must be",
+        );
+        refused(
+            format!("postgres://u:pa55@db/x?sslrootcert={}", path("ca.pem")),
+            "sslrootcert needs sslmode=",
+        );
+        refused(
+            "postgres://u:pa55@db/x?sslmode=verify-full&sslrootcert=/nonexistent/ca.pem".into(),
+            "sslrootcert /nonexistent/ca.pem: No such file",
+        );
+        refused(
+            format!(
+                "postgres://u:pa55@db/x?sslmode=verify-full&sslrootcert={}",
+                path("client.key")
+            ),
+            "sslrootcert",
+        );
+        refused(
+            format!(
+                "postgres://u:pa55@db/x?sslmode=require&sslrootcert={}&sslcert={}",
+                path("ca.pem"),
+                path("client.pem")
+            ),
+            "sslcert needs a key",
+        );
+        refused(
+            format!(
+                "host=db password=pa55 sslmode=require sslrootcert={} sslcert={} sslkey={}",
+                path("ca.pem"),
+                path("client.pem"),
+                path("client.pem")
+            ),
+            "sslkey",
+        );
+        refused(
+            format!(
+                "host=db password=pa55 sslmode=require sslrootcert={} sslcert={} sslkey={}",
+                path("ca.pem"),
+                path("client.pem"),
+                path("ca.key")
+            ),
+            "do not go together",
+        );
+    }
+
+    #[test]
+    fn amqps_urls_take_rabbitmqs_tls_parameters() {
+        let ca = private_ca();
+        let path = |name: &str| ca.path().join(name).display().to_string();
+        let url = format!(
+            "amqps://u:pa55@mq:5671/%2f?cacertfile={}&certfile={}&keyfile={}&verify=verify_peer&heartbeat=5",
+            path("ca.pem"),
+            path("client.pem"),
+            path("client.key")
+        );
+        let target: AmqpTarget = url.parse().unwrap();
+        let tls = target.tls.as_ref().unwrap();
+        assert_eq!(tls.server_name, "mq");
+        assert!(tls.config.enable_sni);
+        assert!(tls.config.client_auth_cert_resolver.has_certs());
+        assert_eq!(target.uri.query.heartbeat, Some(5));
+        assert!(!target.to_string().contains("pa55"), "{target}");
+        assert!(target.to_string().contains("cacertfile="), "{target}");
+
+        let named: AmqpTarget = format!(
+            "amqps://mq/%2f?cacertfile={}&server_name_indication=rabbit.internal",
+            path("ca.pem")
+        )
+        .parse()
+        .unwrap();
+        assert_eq!(named.tls.unwrap().server_name, "rabbit.internal");
+        let unnamed: AmqpTarget = format!(
+            "amqps://mq/%2f?cacertfile={}&server_name_indication=disable",
+            path("ca.pem")
+        )
+        .parse()
+        .unwrap();
+        assert!(!unnamed.tls.unwrap().config.enable_sni);
+        let plain: AmqpTarget = "amqp://mq/%2f".parse().unwrap();
+        assert!(plain.tls.is_none());
+
+        for (bad, says) in [
+            (
+                format!("amqp://u:pa55@mq/%2f?cacertfile={}", path("ca.pem")),
+                "cacertfile needs amqps://",
+            ),
+            (
+                "amqps://u:pa55@mq/%2f?verify=verify_none".into(),
+                "verify=verify_none is refused",
+            ),
+            (
+                "amqps://u:pa55@mq/%2f?cacertfile=/nonexistent/ca.pem".into(),
+                "cacertfile /nonexistent/ca.pem",
+            ),
+            (
+                format!(
+                    "amqps://u:pa55@mq/%2f?cacertfile={}&certfile={}",
+                    path("ca.pem"),
+                    path("client.pem")
+                ),
+                "certfile needs a key",
+            ),
+        ] {
+            let error = bad.parse::<AmqpTarget>().unwrap_err();
+            assert!(error.contains(says), "{bad}: {error}");
+            assert!(!error.contains("pa55"), "{error}");
+        }
     }
 
     #[test]

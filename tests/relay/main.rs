@@ -12,4 +12,5 @@ mod proxy;
 mod refusals;
 mod rows;
 mod support;
+mod tls;
 mod values;
