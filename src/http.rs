@@ -69,6 +69,9 @@ impl Limits {
 /// connection the kernel keeps offering does not spin the loop.
 const ACCEPT_RETRY: Duration = Duration::from_millis(100);
 
+/// A flood at the cap is logged once per this period, with what it refused.
+const CAP_WARNING_EVERY: Duration = Duration::from_secs(60);
+
 /// Serves `app` on `listener` within `limits` until `stop` resolves, then
 /// closes every connection at once and returns.
 pub async fn serve(
@@ -83,8 +86,9 @@ pub async fn serve(
     ));
     let open = Arc::new(Semaphore::new(limits.connections));
     let mut connections = JoinSet::new();
-    // Whether the cap has been logged since it was last reached.
-    let mut full = false;
+    // Connections closed at the cap since it was last logged, and when.
+    let mut refused: u64 = 0;
+    let mut warned: Option<tokio::time::Instant> = None;
     tokio::pin!(stop);
     loop {
         tokio::select! {
@@ -93,7 +97,6 @@ pub async fn serve(
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => match open.clone().try_acquire_owned() {
                     Ok(permit) => {
-                        full = false;
                         let conn = connection(stream, peer, &app, limits);
                         connections.spawn(async move {
                             conn.await;
@@ -101,14 +104,17 @@ pub async fn serve(
                         });
                     }
                     Err(_) => {
-                        if !full {
-                            full = true;
+                        drop(stream);
+                        refused += 1;
+                        if warned.is_none_or(|at| at.elapsed() >= CAP_WARNING_EVERY) {
                             tracing::warn!(
                                 limit = limits.connections,
+                                refused,
                                 "HTTP connection cap reached: closing new connections until one ends"
                             );
+                            warned = Some(tokio::time::Instant::now());
+                            refused = 0;
                         }
-                        drop(stream);
                     }
                 },
                 Err(error) => {
