@@ -69,6 +69,9 @@ impl Limits {
 /// connection the kernel keeps offering does not spin the loop.
 const ACCEPT_RETRY: Duration = Duration::from_millis(100);
 
+/// A flood at the cap is logged once per this period, with what it refused.
+const CAP_WARNING_EVERY: Duration = Duration::from_secs(60);
+
 /// Serves `app` on `listener` within `limits` until `stop` resolves, then
 /// closes every connection at once and returns.
 pub async fn serve(
@@ -83,8 +86,9 @@ pub async fn serve(
     ));
     let open = Arc::new(Semaphore::new(limits.connections));
     let mut connections = JoinSet::new();
-    // Whether the cap has been logged since it was last reached.
-    let mut full = false;
+    // Connections closed at the cap since it was last logged, and when.
+    let mut refused: u64 = 0;
+    let mut warned: Option<tokio::time::Instant> = None;
     tokio::pin!(stop);
     loop {
         tokio::select! {
@@ -93,7 +97,6 @@ pub async fn serve(
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => match open.clone().try_acquire_owned() {
                     Ok(permit) => {
-                        full = false;
                         let conn = connection(stream, peer, &app, limits);
                         connections.spawn(async move {
                             conn.await;
@@ -101,14 +104,17 @@ pub async fn serve(
                         });
                     }
                     Err(_) => {
-                        if !full {
-                            full = true;
+                        drop(stream);
+                        refused += 1;
+                        if warned.is_none_or(|at| at.elapsed() >= CAP_WARNING_EVERY) {
                             tracing::warn!(
                                 limit = limits.connections,
+                                refused,
                                 "HTTP connection cap reached: closing new connections until one ends"
                             );
+                            warned = Some(tokio::time::Instant::now());
+                            refused = 0;
                         }
-                        drop(stream);
                     }
                 },
                 Err(error) => {
@@ -344,4 +350,126 @@ async fn metrics(State(Endpoints { relay, .. }): State<Endpoints>) -> Response {
         relay.metrics.render(),
     )
         .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::*;
+
+    const TIGHT: Limits = Limits {
+        header_read: Duration::from_millis(300),
+        request: Duration::from_millis(300),
+        connections: 4,
+        lifetime: Duration::from_secs(30),
+    };
+
+    /// `serve` with `TIGHT` limits over a router with a handler that never
+    /// answers in time; returns its address, its stop and its task.
+    async fn slow_server() -> (
+        SocketAddr,
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let app = Router::new().route(
+            "/slow",
+            get(|| async {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                "late"
+            }),
+        );
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(serve(listener, app, TIGHT, async {
+            let _ = stopped.await;
+        }));
+        (addr, stop, task)
+    }
+
+    /// Sends `request` and reads until the server closes (at most 5 s).
+    async fn exchange(addr: SocketAddr, request: &[u8]) -> String {
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        stream.write_all(request).await.unwrap();
+        let mut response = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut response))
+            .await
+            .expect("the server closes the connection")
+            .unwrap();
+        String::from_utf8_lossy(&response).into_owned()
+    }
+
+    #[tokio::test]
+    async fn a_request_past_its_deadline_is_answered_503() {
+        let (addr, stop, task) = slow_server().await;
+        let started = tokio::time::Instant::now();
+        let response = exchange(addr, b"GET /slow HTTP/1.0\r\n\r\n").await;
+        assert!(response.starts_with("HTTP/1.0 503"), "{response}");
+        assert!(started.elapsed() < Duration::from_secs(2));
+        let _ = stop.send(());
+        task.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn headers_not_sent_in_time_close_the_connection() {
+        let (addr, stop, task) = slow_server().await;
+        let started = tokio::time::Instant::now();
+        exchange(addr, b"GET /slow HTTP/1.1\r\nHost: x\r\n").await;
+        assert!(started.elapsed() < Duration::from_secs(2));
+        let _ = stop.send(());
+        task.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn stopping_closes_connections_in_flight_at_once() {
+        let (addr, stop, task) = slow_server().await;
+        let mut stream = TcpStream::connect(addr).await.unwrap();
+        stream
+            .write_all(b"GET /slow HTTP/1.0\r\n\r\n")
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let _ = stop.send(());
+        tokio::time::timeout(Duration::from_millis(200), task)
+            .await
+            .expect("serve returns at once")
+            .unwrap();
+        let mut rest = Vec::new();
+        let _ = stream.read_to_end(&mut rest).await;
+        assert!(rest.is_empty(), "no answer after the stop");
+    }
+
+    #[tokio::test]
+    async fn callers_that_overlap_share_one_round() {
+        let rounds = LagRounds::default();
+        let started = AtomicUsize::new(0);
+        let release = Arc::new(tokio::sync::Notify::new());
+        let round = || {
+            started.fetch_add(1, Ordering::SeqCst);
+            let release = release.clone();
+            async move {
+                release.notified().await;
+                Ok(Arc::new(Vec::new()))
+            }
+        };
+        // All ten join before the round can end: it waits for the release.
+        let callers = async {
+            tokio::join!(
+                futures_util::future::join_all((0..10).map(|_| rounds.join(round))),
+                async { release.notify_one() },
+            )
+        };
+        let (results, ()) = tokio::time::timeout(Duration::from_secs(5), callers)
+            .await
+            .expect("one release ends every caller: they share one round");
+        assert!(results.iter().all(Result::is_ok));
+        assert_eq!(started.load(Ordering::SeqCst), 1);
+        // Nothing cached: the next caller starts a new round.
+        release.notify_one();
+        rounds.join(round).await.unwrap();
+        assert_eq!(started.load(Ordering::SeqCst), 2);
+    }
 }

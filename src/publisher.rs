@@ -289,33 +289,7 @@ impl Publisher {
     }
 
     async fn connect(&self) -> Result<Arc<Session>, lapin::Error> {
-        let properties =
-            ConnectionProperties::default().with_connection_name("outbox-relay".into());
-        let connection = match self.inner.target.tls.clone() {
-            None => Connection::connect_uri(self.inner.target.uri.clone(), properties).await?,
-            Some(tls) => {
-                let connector = RustlsConnector::from(tls.config);
-                let server_name = tls.server_name;
-                Connection::connector(
-                    self.inner.target.uri.clone(),
-                    lapin::runtime::default_runtime()?,
-                    // The TCP connection as for `amqp://`, then the TLS
-                    // handshake with the relay's own client configuration
-                    // (the CA file's roots only, the client certificate, the
-                    // checked name) instead of the AMQP client's, which
-                    // only adds to the system's roots.
-                    async move |mut uri: AMQPUri, runtime| {
-                        uri.scheme = AMQPScheme::AMQP;
-                        let plain = uri
-                            .connect_with_config_async(TLSConfig::default(), &runtime)
-                            .await?;
-                        Ok(plain.into_rustls(&connector, &server_name).await?)
-                    },
-                    properties,
-                )
-                .await?
-            }
-        };
+        let connection = open_connection(&self.inner.target, "outbox-relay").await?;
         if self.inner.declare_exchange {
             let channel = connection.create_channel().await?;
             self.inner.declare_exchange(&channel).await?;
@@ -635,6 +609,37 @@ fn is_channel_level(error: &lapin::Error) -> bool {
         lapin::ErrorKind::ProtocolError(amqp)
             if matches!(amqp.kind(), lapin::protocol::AMQPErrorKind::Soft(_))
     )
+}
+
+/// A connection to `target` named `name` (as the broker's management shows
+/// it), over TLS with the relay's own client configuration for `amqps://`.
+pub async fn open_connection(target: &AmqpTarget, name: &str) -> Result<Connection, lapin::Error> {
+    let properties = ConnectionProperties::default().with_connection_name(name.into());
+    match target.tls.clone() {
+        None => Connection::connect_uri(target.uri.clone(), properties).await,
+        Some(tls) => {
+            let connector = RustlsConnector::from(tls.config);
+            let server_name = tls.server_name;
+            Connection::connector(
+                target.uri.clone(),
+                lapin::runtime::default_runtime()?,
+                // The TCP connection as for `amqp://`, then the TLS handshake
+                // with the relay's own client configuration (the CA file's
+                // roots only, the client certificate, the checked name)
+                // instead of the AMQP client's, which only adds to the
+                // system's roots.
+                async move |mut uri: AMQPUri, runtime| {
+                    uri.scheme = AMQPScheme::AMQP;
+                    let plain = uri
+                        .connect_with_config_async(TLSConfig::default(), &runtime)
+                        .await?;
+                    Ok(plain.into_rustls(&connector, &server_name).await?)
+                },
+                properties,
+            )
+            .await
+        }
+    }
 }
 
 /// Resolves when the session can no longer be used, with why.

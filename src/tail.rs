@@ -9,13 +9,14 @@
 use std::io::Write;
 
 use futures_util::StreamExt;
+use lapin::ExchangeKind;
 use lapin::options::{
     BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
-use lapin::{Connection, ConnectionProperties, ExchangeKind};
 
 use crate::config::Config;
+use crate::publisher::open_connection;
 
 /// The widest body shown on a line.
 const BODY_WIDTH: usize = 200;
@@ -46,15 +47,12 @@ pub async fn run(
     out: &mut (dyn Write + Send),
     stop: impl Future<Output = ()>,
 ) -> Result<(), TailError> {
-    let connection = Connection::connect_uri(
-        config.amqp_url.uri.clone(),
-        ConnectionProperties::default().with_connection_name("outbox-relay tail".into()),
-    )
-    .await
-    .map_err(|source| TailError::Connect {
-        url: config.amqp_url.to_string(),
-        source,
-    })?;
+    let connection = open_connection(&config.amqp_url, "outbox-relay tail")
+        .await
+        .map_err(|source| TailError::Connect {
+            url: config.amqp_url.to_string(),
+            source,
+        })?;
     let channel = connection
         .create_channel()
         .await
