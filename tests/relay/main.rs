@@ -7,6 +7,7 @@ mod delivery;
 mod deploy;
 mod faults;
 mod memory;
+mod pgbouncer;
 mod proxy;
 mod refusals;
 mod rows;
