@@ -19,8 +19,9 @@ const TRANSACTION_PORT: u16 = 6432;
 /// Port of the instance pooling by session.
 const SESSION_PORT: u16 = 6433;
 
-/// The `pool_mode` the PgBouncer on `port` reports on its admin console.
-async fn pool_mode(port: u16) -> Result<String, String> {
+/// The `pool_mode` and `default_pool_size` the PgBouncer on `port` reports on
+/// its admin console.
+async fn pool_mode(port: u16) -> Result<(String, String), String> {
     let url = format!("postgres://postgres@127.0.0.1:{port}/pgbouncer");
     let (client, connection) =
         tokio::time::timeout(Duration::from_secs(5), tokio_postgres::connect(&url, NoTls))
@@ -33,15 +34,18 @@ async fn pool_mode(port: u16) -> Result<String, String> {
         .simple_query("SHOW CONFIG")
         .await
         .map_err(|e| e.to_string())?;
-    answer
-        .iter()
-        .find_map(|message| match message {
-            SimpleQueryMessage::Row(row) if row.get(0) == Some("pool_mode") => {
-                row.get(1).map(str::to_string)
-            }
-            _ => None,
-        })
-        .ok_or_else(|| "SHOW CONFIG has no pool_mode".to_string())
+    let setting = |key: &str| {
+        answer
+            .iter()
+            .find_map(|message| match message {
+                SimpleQueryMessage::Row(row) if row.get(0) == Some(key) => {
+                    row.get(1).map(str::to_string)
+                }
+                _ => None,
+            })
+            .ok_or_else(|| format!("SHOW CONFIG has no {key}"))
+    };
+    Ok((setting("pool_mode")?, setting("default_pool_size")?))
 }
 
 /// The URL of the test database through the PgBouncer pooling by `mode` on
@@ -83,9 +87,16 @@ async fn through_pgbouncer(port: u16, mode: &str) -> String {
         }
     };
     assert_eq!(
-        found, mode,
-        "the PgBouncer on 127.0.0.1:{port} pools by {found}, not {mode}"
+        found.0, mode,
+        "the PgBouncer on 127.0.0.1:{port} pools by {}, not {mode}",
+        found.0
     );
+    if mode == "transaction" {
+        assert_eq!(
+            found.1, "2",
+            "the transaction pool on 127.0.0.1:{port} is the small one (2 server connections)"
+        );
+    }
     format!("postgres://postgres@127.0.0.1:{port}/test")
 }
 
