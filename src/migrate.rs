@@ -4,6 +4,8 @@
 
 use std::time::Duration;
 
+use tokio_postgres::types::Type;
+
 use crate::config::Config;
 use crate::store::{Store, StoreError, quote_ident};
 
@@ -51,15 +53,17 @@ async fn apply(store: &Store, config: &Config) -> Result<(), StoreError> {
     // Server-side bounds too, so an abandoned attempt does not linger holding locks.
     tx.batch_execute("SET LOCAL lock_timeout = '30s'; SET LOCAL statement_timeout = '50s'")
         .await?;
-    tx.execute(
+    // Unnamed statements only (as in the store), so that migrations run
+    // through PgBouncer in transaction pooling too.
+    tx.execute_typed(
         "SELECT pg_advisory_xact_lock(hashtext('outbox-relay migrate'))",
         &[],
     )
     .await?;
     let exists = tx
-        .query_opt(
+        .query_typed_opt(
             "SELECT 1 FROM pg_namespace WHERE nspname = $1",
-            &[&config.schema],
+            &[(&config.schema, Type::TEXT)],
         )
         .await?
         .is_some();

@@ -11,6 +11,14 @@
 //! connection out of the pool and closes it, so the server rolls the
 //! transaction back and no half-used connection is ever handed to another
 //! sweep.
+//!
+//! Every statement goes out unnamed (`query_typed`: parse, bind and execute in
+//! one message sequence, with its parameters' types given here), never as a
+//! named prepared statement: through PgBouncer in transaction pooling, a
+//! connection's next transaction may run on another server connection, where
+//! a name prepared before means nothing, or means another client's statement.
+//! Nothing else is kept in the session either: the claim's settings are
+//! transaction-local.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -25,7 +33,7 @@ use deadpool_postgres::{
 use futures_util::TryStreamExt;
 use futures_util::future::{MaybeDone, maybe_done};
 use time::OffsetDateTime;
-use tokio_postgres::types::ToSql;
+use tokio_postgres::types::{ToSql, Type};
 
 use crate::config::{Config, DatabaseTarget};
 use crate::domain::{BatchReport, Lease, OutboxRow, Payload};
@@ -394,26 +402,22 @@ impl Store {
         let client = claim.client();
         let budget = i64::try_from(budget).unwrap_or(i64::MAX);
         let work = async {
-            let claim_stmt = client.prepare_cached(CLAIM).await?;
-            let read_stmt = client.prepare_cached(&self.statements.read_batch).await?;
-            // Prepared here (once per connection) so that marking ahead sends
-            // its UPDATE at once.
-            client
-                .prepare_cached(&self.statements.mark_published)
-                .await?;
             let lock_key: &str = &self.lock_key;
-            let claim_params: [&(dyn ToSql + Sync); 2] = [&lock_key, &tenant];
-            let read_params: [&(dyn ToSql + Sync); 5] = [
-                &tenant,
-                &self.batch_size,
-                &self.max_payload_bytes,
-                &budget,
-                &FIELD_LIMIT,
+            let claim_params: [(&(dyn ToSql + Sync), Type); 2] =
+                [(&lock_key, Type::TEXT), (&tenant, Type::TEXT)];
+            let read_params: [(&(dyn ToSql + Sync), Type); 5] = [
+                (&tenant, Type::TEXT),
+                (&self.batch_size, Type::INT8),
+                (&self.max_payload_bytes, Type::INT8),
+                (&budget, Type::INT8),
+                (&FIELD_LIMIT, Type::INT8),
             ];
+            // One round trip: the server runs them in order, in the
+            // transaction BEGIN opens.
             let (begin, taken, rows) = tokio::join!(
                 client.batch_execute(BEGIN),
-                client.query_one(&claim_stmt, &claim_params),
-                client.query_raw(&read_stmt, read_params),
+                client.query_typed_one(CLAIM, &claim_params),
+                client.query_typed_raw(&self.statements.read_batch, read_params),
             );
             begin?;
             let taken: bool = taken?.try_get(1)?;
@@ -446,7 +450,7 @@ impl Store {
         self.query_all(
             "the lag query",
             &self.statements.tenant_lag,
-            &[&tenants],
+            &[(&tenants, Type::TEXT_ARRAY)],
             |row| {
                 Ok(TenantLag {
                     tenant: row.try_get(0)?,
@@ -463,7 +467,7 @@ impl Store {
         self.query_all(
             "the status query",
             &self.statements.tenant_status,
-            &[&tenants],
+            &[(&tenants, Type::TEXT_ARRAY)],
             |row| {
                 Ok(TenantStatus {
                     tenant: row.try_get(0)?,
@@ -504,11 +508,16 @@ impl Store {
     pub async fn check_payload_type(&self) -> Result<bool, StoreError> {
         let table = &self.statements.table;
         let found = self
-            .query_all("the payload column check", PAYLOAD_TYPE, &[table], |row| {
-                let declared: Option<String> = row.try_get(0)?;
-                let base: Option<String> = row.try_get(1)?;
-                Ok(declared.zip(base))
-            })
+            .query_all(
+                "the payload column check",
+                PAYLOAD_TYPE,
+                &[(table, Type::TEXT)],
+                |row| {
+                    let declared: Option<String> = row.try_get(0)?;
+                    let base: Option<String> = row.try_get(1)?;
+                    Ok(declared.zip(base))
+                },
+            )
             .await?;
         let Some(column) = found.into_iter().next() else {
             return Ok(false);
@@ -528,13 +537,12 @@ impl Store {
         &self,
         what: &'static str,
         sql: &str,
-        params: &[&(dyn ToSql + Sync)],
+        params: &[(&(dyn ToSql + Sync), Type)],
         map: impl Fn(&tokio_postgres::Row) -> Result<T, tokio_postgres::Error>,
     ) -> Result<Vec<T>, StoreError> {
         let conn = self.connection().await?;
         let work = async {
-            let stmt = conn.prepare_cached(sql).await?;
-            let rows = conn.query(&stmt, params).await?;
+            let rows = conn.query_typed(sql, params).await?;
             Ok(rows.iter().map(map).collect::<Result<Vec<T>, _>>()?)
         };
         let result = deadline(what, work).await;
@@ -562,8 +570,9 @@ async fn update_ids(client: &Object, sql: &str, ids: &[i64]) -> Result<u64, Stor
     if ids.is_empty() {
         return Ok(0);
     }
-    let statement = client.prepare_cached(sql).await?;
-    Ok(client.execute(&statement, &[&ids]).await?)
+    Ok(client
+        .execute_typed(sql, &[(&ids, Type::INT8_ARRAY)])
+        .await?)
 }
 
 /// An UPDATE marking rows published ahead of the commit: sent when first
@@ -632,8 +641,10 @@ impl Claim {
         let client = self.client();
         let sql = &self.store.statements.read_payload;
         let payload: Option<String> = deadline("reading a payload", async {
-            let statement = client.prepare_cached(sql).await?;
-            Ok(client.query_one(&statement, &[&id]).await?.try_get(0)?)
+            Ok(client
+                .query_typed_one(sql, &[(&id, Type::INT8)])
+                .await?
+                .try_get(0)?)
         })
         .await?;
         self.rows[0].payload =
@@ -721,7 +732,6 @@ impl Claim {
         let client = self.client();
         let statements = &self.store.statements;
         let work = async {
-            let record = client.prepare_cached(&statements.record_refusal).await?;
             let refused = async {
                 match refused {
                     Some((id, refusal)) => {
@@ -729,9 +739,13 @@ impl Claim {
                         // the row's own refusals count as attempts.
                         let attempts = i32::from(refusal.reason.counts_as_attempt());
                         let last_error = refusal.last_error();
-                        let params: [&(dyn ToSql + Sync); 3] = [&id, &last_error, &attempts];
+                        let params: [(&(dyn ToSql + Sync), Type); 3] = [
+                            (&id, Type::INT8),
+                            (&last_error, Type::TEXT),
+                            (&attempts, Type::INT4),
+                        ];
                         client
-                            .execute(&record, &params)
+                            .execute_typed(&statements.record_refusal, &params)
                             .await
                             .map_err(StoreError::from)
                     }
