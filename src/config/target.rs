@@ -89,13 +89,7 @@ impl FromStr for DatabaseTarget {
                 .collect();
             super::dsn::join(&pairs)
         };
-        let param = |key: &str| {
-            tls_params
-                .iter()
-                .rev()
-                .find(|(k, _)| k == key)
-                .map(|(k, v)| (k.as_str(), v.as_str()))
-        };
+        let param = |key: &str| last(&tls_params, key);
         let files = tls::Files {
             roots: param("sslrootcert"),
             cert: param("sslcert"),
@@ -218,13 +212,7 @@ impl FromStr for AmqpTarget {
             .filter(|(k, _)| AMQP_TLS_KEYS.contains(&k.as_ref()))
             .map(|(k, v)| (k.into_owned(), v.into_owned()))
             .collect();
-        let param = |key: &str| {
-            query
-                .iter()
-                .rev()
-                .find(|(k, _)| k == key)
-                .map(|(k, v)| (k.as_str(), v.as_str()))
-        };
+        let param = |key: &str| last(&query, key);
         let tls = match uri.scheme {
             AMQPScheme::AMQP => {
                 if let Some((key, _)) = query.first() {
@@ -266,6 +254,16 @@ impl FromStr for AmqpTarget {
         let redacted = shown_amqp(&uri, &query);
         Ok(AmqpTarget { uri, tls, redacted })
     }
+}
+
+/// The value of the last parameter named `key` (a later one wins, as in
+/// libpq), with its name.
+fn last<'a>(params: &'a [(String, String)], key: &str) -> Option<(&'a str, &'a str)> {
+    params
+        .iter()
+        .rev()
+        .find(|(k, _)| k == key)
+        .map(|(k, v)| (k.as_str(), v.as_str()))
 }
 
 /// Refuses a URL whose `@` comes after a `/`, `?` or `#` of its authority: its
