@@ -472,6 +472,29 @@ impl Drop for Supervised {
     }
 }
 
+/// A publisher on `amqp_url` is refused by `proxy` (twice: it retries) and
+/// never ready.
+async fn refused_by(proxy: &TlsProxy, amqp_url: &str, what: &str) {
+    let before = proxy.refused();
+    let publisher = supervise(amqp_url);
+    eventually(
+        &format!("{what} is refused twice"),
+        Duration::from_secs(10),
+        || async { proxy.refused() >= before + 2 },
+    )
+    .await;
+    assert!(!publisher.publisher.is_ready(), "{what}");
+}
+
+/// A publisher on `amqp_url` connects.
+async fn accepted(amqp_url: &str, what: &str) {
+    let publisher = supervise(amqp_url);
+    eventually(what, Duration::from_secs(10), || async {
+        publisher.publisher.is_ready()
+    })
+    .await;
+}
+
 fn supervise(amqp_url: &str) -> Supervised {
     let mut config = Config::with_tenants(["tls"]);
     config.amqp_url = amqp_url.parse().expect("amqps url");
@@ -651,30 +674,14 @@ async fn verify_full_checks_the_host_name_and_verify_ca_does_not() {
 
     let proxy = TlsProxy::start(false).await;
     let ca = format!("cacertfile={}", pki.path("ca.pem"));
-    let wrong_name = supervise(&proxy.url("127.0.0.1", &ca));
-    eventually(
-        "the wrong name is refused twice",
-        Duration::from_secs(10),
-        || async { proxy.refused() >= 2 },
-    )
-    .await;
-    assert!(!wrong_name.publisher.is_ready());
-    drop(wrong_name);
+    refused_by(&proxy, &proxy.url("127.0.0.1", &ca), "the wrong name").await;
     for params in [
         "server_name_indication=disable",
         "server_name_indication=localhost",
     ] {
-        let accepted = supervise(&proxy.url("127.0.0.1", &format!("{ca}&{params}")));
-        eventually(params, Duration::from_secs(10), || async {
-            accepted.publisher.is_ready()
-        })
-        .await;
+        accepted(&proxy.url("127.0.0.1", &format!("{ca}&{params}")), params).await;
     }
-    let named = supervise(&proxy.url("localhost", &ca));
-    eventually("the right name", Duration::from_secs(10), || async {
-        named.publisher.is_ready()
-    })
-    .await;
+    accepted(&proxy.url("localhost", &ca), "the right name").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -697,27 +704,20 @@ async fn a_client_certificate_the_server_requires_is_presented_and_its_absence_r
 
     let proxy = TlsProxy::start(true).await;
     let ca = format!("cacertfile={}", pki.path("ca.pem"));
-    let without = supervise(&proxy.url("localhost", &ca));
-    eventually(
-        "the proxy refuses a client without a certificate",
-        Duration::from_secs(10),
-        || async { proxy.refused() >= 2 },
+    refused_by(
+        &proxy,
+        &proxy.url("localhost", &ca),
+        "a client without a certificate",
     )
     .await;
-    assert!(!without.publisher.is_ready());
-    drop(without);
-    let with = supervise(&proxy.url(
-        "localhost",
-        &format!(
-            "{ca}&certfile={}&keyfile={}",
-            pki.path("client.pem"),
-            pki.path("client.key")
-        ),
-    ));
-    eventually(
-        "a client with its certificate connects",
-        Duration::from_secs(10),
-        || async { with.publisher.is_ready() },
+    let with = format!(
+        "{ca}&certfile={}&keyfile={}",
+        pki.path("client.pem"),
+        pki.path("client.key")
+    );
+    accepted(
+        &proxy.url("localhost", &with),
+        "a client with its certificate",
     )
     .await;
 }
