@@ -10,14 +10,23 @@ use crate::config::Config;
 use crate::store::{Store, StoreError, quote_ident};
 
 /// The migrations, in order, embedded in the binary.
-pub const MIGRATIONS: &[(&str, &str)] = &[(
-    "0001_outbox.sql",
-    include_str!("../migrations/0001_outbox.sql"),
-)];
+pub const MIGRATIONS: &[(&str, &str)] = &[
+    (
+        "0001_outbox.sql",
+        include_str!("../migrations/0001_outbox.sql"),
+    ),
+    (
+        "0002_commit_order.sql",
+        include_str!("../migrations/0002_commit_order.sql"),
+    ),
+];
 
 /// The statements of one migration for `schema`.`table`: the files name the
-/// default table `outbox_message` (and its index `outbox_message_pending`).
-pub fn render(sql: &str, table: &str) -> String {
+/// default table `outbox_message` (and its index `outbox_message_pending`),
+/// and take the names as string literals where they build SQL themselves
+/// (`{schema_literal}`, `{table_literal}`, `{lock_key_literal}`,
+/// `{channel_literal}`).
+pub fn render(sql: &str, schema: &str, table: &str) -> String {
     const NAME: &str = "outbox_message";
     const INDEX_SUFFIX: &str = "_pending";
     let mut out = String::with_capacity(sql.len());
@@ -33,7 +42,39 @@ pub fn render(sql: &str, table: &str) -> String {
         }
     }
     out.push_str(rest);
-    out
+    // The literals last: a name inside them is not a token to replace.
+    out.replace("{schema_literal}", &quote_literal(schema))
+        .replace("{table_literal}", &quote_literal(table))
+        .replace(
+            "{lock_key_literal}",
+            &quote_literal(&format!("{schema}.{table}")),
+        )
+        .replace(
+            "{channel_literal}",
+            &quote_literal(&wakeup_channel(schema, table)),
+        )
+}
+
+/// A string literal for `text` (standard_conforming_strings, as on every
+/// supported server).
+pub fn quote_literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+/// The channel the commit-order trigger notifies and the relay listens on:
+/// `outbox.<schema>.<table>` when that fits PostgreSQL's 63 bytes, else
+/// `outbox.` and a 64-bit FNV-1a hash of `<schema>.<table>` in hex.
+pub fn wakeup_channel(schema: &str, table: &str) -> String {
+    let readable = format!("outbox.{schema}.{table}");
+    if readable.len() <= 63 {
+        return readable;
+    }
+    let hash = format!("{schema}.{table}")
+        .bytes()
+        .fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+            (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+        });
+    format!("outbox.{hash:016x}")
 }
 
 /// How long the migrations may take, lock wait included.
@@ -80,7 +121,8 @@ async fn apply(store: &Store, config: &Config) -> Result<(), StoreError> {
     ))
     .await?;
     for (name, sql) in MIGRATIONS {
-        tx.batch_execute(&render(sql, &config.table)).await?;
+        tx.batch_execute(&render(sql, &config.schema, &config.table))
+            .await?;
         tracing::info!(migration = name, schema = %config.schema, table = %config.table, "migration applied");
     }
     tx.commit().await?;
@@ -93,15 +135,40 @@ mod tests {
 
     #[test]
     fn renders_the_configured_table_and_its_index() {
-        let sql = render(MIGRATIONS[0].1, "orders_outbox");
+        let sql = render(MIGRATIONS[0].1, "public", "orders_outbox");
         assert!(sql.contains("CREATE TABLE IF NOT EXISTS \"orders_outbox\" ("));
         assert!(sql.contains("CREATE INDEX IF NOT EXISTS \"orders_outbox_pending\""));
         assert!(sql.contains("ON \"orders_outbox\" (tenant_id, id) WHERE published_at IS NULL"));
         assert!(!sql.contains("outbox_message"));
-        let odd = render(MIGRATIONS[0].1, "we\"ird");
+        let odd = render(MIGRATIONS[0].1, "public", "we\"ird");
         assert!(
             odd.contains("CREATE INDEX IF NOT EXISTS \"we\"\"ird_pending\""),
             "{odd}"
         );
+    }
+
+    #[test]
+    fn the_trigger_takes_its_names_as_literals() {
+        let sql = render(MIGRATIONS[1].1, "app's", "out\"box");
+        assert!(
+            sql.contains("format('%I.%I', 'app''s', 'out\"box')"),
+            "{sql}"
+        );
+        assert!(
+            sql.contains("'app''s.out\"box', id_sequence, 'outbox.app''s.out\"box'"),
+            "{sql}"
+        );
+        assert!(!sql.contains('{'), "every placeholder filled: {sql}");
+    }
+
+    #[test]
+    fn the_channel_fits_postgresqls_identifiers() {
+        assert_eq!(
+            wakeup_channel("public", "outbox_message"),
+            "outbox.public.outbox_message"
+        );
+        let long = wakeup_channel(&"s".repeat(63), &"t".repeat(55));
+        assert_eq!(long.len(), "outbox.".len() + 16);
+        assert_ne!(long, wakeup_channel(&"s".repeat(63), &"u".repeat(55)));
     }
 }
