@@ -112,6 +112,7 @@ pub async fn serve(
             if relay.config.migrate && !migrate_until_done(&relay, scheduler_stop.clone()).await {
                 return;
             }
+            tokio::spawn(warn_about_schema(relay.clone(), scheduler_stop.clone()));
             scheduler::run(relay, scheduler_stop).await;
         }
     });
@@ -149,6 +150,32 @@ async fn migrate_until_done(relay: &Relay, stop: Shutdown) -> bool {
             () = tokio::time::sleep(delay) => {}
             () = stop.clone().fired() => return false,
         }
+    }
+}
+
+/// Checks the table once the database answers (retrying with back-off until
+/// then, or until shutdown) and warns once about each thing it lacks.
+async fn warn_about_schema(relay: Arc<Relay>, stop: Shutdown) {
+    let backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
+    let mut failures = 0;
+    let report = loop {
+        match migrate::check_schema(&relay.store, &relay.config).await {
+            Ok(report) => break report,
+            Err(error) if error.is_unreachable() => {}
+            Err(error) => {
+                tracing::warn!(%error, "cannot check the outbox table's columns, index and trigger");
+                return;
+            }
+        }
+        let delay = backoff.delay(failures);
+        failures += 1;
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = stop.clone().fired() => return,
+        }
+    };
+    for missing in &report.missing {
+        tracing::warn!(schema = %relay.config.schema, table = %relay.config.table, "{missing}");
     }
 }
 

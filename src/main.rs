@@ -30,7 +30,12 @@ enum Command {
     /// Relay until SIGTERM or SIGINT (the default).
     Run,
     /// Apply the migrations and exit.
-    Migrate,
+    Migrate {
+        /// Print the migrations' SQL for the configured schema and table (a
+        /// psql script) instead of applying them; connects to nothing.
+        #[arg(long)]
+        print: bool,
+    },
     /// Print the effective configuration (secrets redacted) and exit.
     CheckConfig,
     /// Print each tenant's pending rows, lag and blocking row; exit 1 when any
@@ -95,6 +100,15 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_FATAL);
         }
     };
+    if let Command::Migrate { print: true } = command {
+        // stdout is the script: no log lines there.
+        warn_unknown_env_on_stderr(&loaded);
+        print!(
+            "{}",
+            migrate::script(&loaded.config.schema, &loaded.config.table)
+        );
+        return ExitCode::SUCCESS;
+    }
     if let Command::Tail { routing_key, json } = &command {
         // stdout is the messages: no log lines there.
         warn_unknown_env_on_stderr(&loaded);
@@ -123,7 +137,7 @@ fn main() -> ExitCode {
     warn_unknown_env(&loaded);
     let result = runtime.block_on(async move {
         match command {
-            Command::Migrate => migrate_once(loaded.config).await,
+            Command::Migrate { .. } => migrate_once(loaded.config).await,
             _ => outbox_relay::run(loaded.config, shutdown::signal())
                 .await
                 .map_err(anyhow::Error::from),

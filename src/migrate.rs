@@ -1,58 +1,136 @@
-//! Applies `migrations/` to the configured schema and table. Idempotent, and
-//! safe when several replicas start with `migrate = true` at once (they
-//! serialise on an advisory lock).
+//! Applies `migrations/` to the configured schema and table, each migration
+//! once: what ran is recorded in `outbox_relay_migrations` (one per schema,
+//! rows keyed by table). A table made before the record existed is upgraded
+//! in place (0001 is idempotent). Safe when several replicas start with
+//! `migrate = true` at once: they serialise on an advisory lock. `--print`
+//! gives the same SQL as a script for psql ([`script`]).
 
+mod check;
+mod split;
+
+use std::collections::BTreeSet;
 use std::time::Duration;
 
+use deadpool_postgres::{ClientWrapper, Object};
 use tokio_postgres::types::Type;
 
 use crate::config::Config;
 use crate::store::{Store, StoreError, quote_ident};
 
+pub use check::{Missing, SchemaReport, check_schema};
+pub use split::{concurrent_index_name, statements};
+
+/// One migration file.
+#[derive(Debug, Clone, Copy)]
+pub struct Migration {
+    /// Its number, recorded once applied.
+    pub version: i32,
+    /// The file name without `.sql`, as logged and recorded.
+    pub name: &'static str,
+    pub sql: &'static str,
+}
+
+/// The first line of a migration whose statements run one by one outside a
+/// transaction (`CREATE INDEX CONCURRENTLY`, which never blocks writers).
+pub const NO_TRANSACTION: &str = "-- outbox-relay: no-transaction";
+
+impl Migration {
+    /// Whether it runs in one transaction (the default) or, marked with
+    /// [`NO_TRANSACTION`], statement by statement.
+    pub fn in_transaction(&self) -> bool {
+        !self.sql.starts_with(NO_TRANSACTION)
+    }
+}
+
 /// The migrations, in order, embedded in the binary.
-pub const MIGRATIONS: &[(&str, &str)] = &[
-    (
-        "0001_outbox.sql",
-        include_str!("../migrations/0001_outbox.sql"),
-    ),
-    (
-        "0002_commit_order.sql",
-        include_str!("../migrations/0002_commit_order.sql"),
-    ),
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "0001_outbox",
+        sql: include_str!("../migrations/0001_outbox.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "0002_commit_order",
+        sql: include_str!("../migrations/0002_commit_order.sql"),
+    },
 ];
+
+/// Creates the record of applied migrations (in the configured schema).
+const RECORD_TABLE: &str = include_str!("migrate/record.sql");
+const RECORDED: &str =
+    "SELECT version FROM outbox_relay_migrations WHERE table_name = $1 AND version = $2";
+const RECORDED_ALL: &str = "SELECT version FROM outbox_relay_migrations WHERE table_name = $1";
+const RECORD: &str = "INSERT INTO outbox_relay_migrations (table_name, version, name) \
+                      VALUES ($1, $2, $3) ON CONFLICT DO NOTHING";
+const INVALID_INDEX: &str = "SELECT 1 FROM pg_index i \
+     JOIN pg_class c ON c.oid = i.indexrelid \
+     JOIN pg_namespace n ON n.oid = c.relnamespace \
+     WHERE n.nspname = $1 AND c.relname = $2 AND NOT i.indisvalid";
+/// The migrators' lock (the relay's claims take two int4 keys, the trigger
+/// one bigint of another shape: no key is shared).
+/// A DO block, so that psql prints no result row for it.
+const LOCK: &str =
+    "DO $lock$ BEGIN PERFORM pg_advisory_xact_lock(hashtext('outbox-relay migrate')); END $lock$";
+const SESSION_LOCK: &str = "SELECT pg_advisory_lock(hashtext('outbox-relay migrate'))";
+const SESSION_UNLOCK: &str = "SELECT pg_advisory_unlock(hashtext('outbox-relay migrate'))";
+
+/// How long one migration may take on the client's clock, lock wait included.
+pub const MIGRATION_TIMEOUT: Duration = Duration::from_secs(60);
+/// Server-side bounds of a migration in a transaction: its DDL waits at most
+/// `LOCK_TIMEOUT` for a table lock, so writers never queue behind it longer.
+const LOCK_TIMEOUT: &str = "30s";
+const STATEMENT_TIMEOUT: &str = "50s";
+/// A statement outside a transaction builds an index without blocking
+/// writers, and may take long on a big table.
+const NO_TRANSACTION_STATEMENT_TIMEOUT: &str = "15min";
+const NO_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(16 * 60);
 
 /// The statements of one migration for `schema`.`table`: the files name the
 /// default table `outbox_message` (and its index `outbox_message_pending`),
 /// and take the names as string literals where they build SQL themselves
 /// (`{schema_literal}`, `{table_literal}`, `{lock_key_literal}`,
-/// `{channel_literal}`).
+/// `{channel_literal}`). One pass: what is substituted is never read again,
+/// so a name holding a placeholder's text stays as it is.
 pub fn render(sql: &str, schema: &str, table: &str) -> String {
-    const NAME: &str = "outbox_message";
-    const INDEX_SUFFIX: &str = "_pending";
+    let replacements = [
+        (
+            "outbox_message_pending",
+            quote_ident(&format!("{table}_pending")),
+        ),
+        ("outbox_message", quote_ident(table)),
+        ("{schema_literal}", quote_literal(schema)),
+        ("{table_literal}", quote_literal(table)),
+        (
+            "{lock_key_literal}",
+            quote_literal(&format!("{schema}.{table}")),
+        ),
+        (
+            "{channel_literal}",
+            quote_literal(&wakeup_channel(schema, table)),
+        ),
+    ];
     let mut out = String::with_capacity(sql.len());
     let mut rest = sql;
-    while let Some(at) = rest.find(NAME) {
+    while let Some(at) = rest.find(['o', '{']) {
         out.push_str(&rest[..at]);
-        rest = &rest[at + NAME.len()..];
-        if let Some(after) = rest.strip_prefix(INDEX_SUFFIX) {
-            out.push_str(&quote_ident(&format!("{table}{INDEX_SUFFIX}")));
-            rest = after;
-        } else {
-            out.push_str(&quote_ident(table));
+        rest = &rest[at..];
+        match replacements
+            .iter()
+            .find(|(token, _)| rest.starts_with(token))
+        {
+            Some((token, value)) => {
+                out.push_str(value);
+                rest = &rest[token.len()..];
+            }
+            None => {
+                out.push_str(&rest[..1]);
+                rest = &rest[1..];
+            }
         }
     }
     out.push_str(rest);
-    // The literals last: a name inside them is not a token to replace.
-    out.replace("{schema_literal}", &quote_literal(schema))
-        .replace("{table_literal}", &quote_literal(table))
-        .replace(
-            "{lock_key_literal}",
-            &quote_literal(&format!("{schema}.{table}")),
-        )
-        .replace(
-            "{channel_literal}",
-            &quote_literal(&wakeup_channel(schema, table)),
-        )
+    out
 }
 
 /// A string literal for `text` (standard_conforming_strings, as on every
@@ -77,30 +155,90 @@ pub fn wakeup_channel(schema: &str, table: &str) -> String {
     format!("outbox.{hash:016x}")
 }
 
-/// How long the migrations may take, lock wait included.
-pub const MIGRATION_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// Applies every migration in one transaction, within [`MIGRATION_TIMEOUT`].
-pub async fn run(store: &Store, config: &Config) -> Result<(), StoreError> {
-    match tokio::time::timeout(MIGRATION_TIMEOUT, apply(store, config)).await {
-        Ok(result) => result,
-        Err(_) => Err(StoreError::Timeout("the migrations", MIGRATION_TIMEOUT)),
-    }
+/// A migration transaction's bounds, its quiet (the "already exists,
+/// skipping" notices of idempotent DDL say nothing), and the migrators' lock.
+fn bounds() -> String {
+    format!(
+        "SET LOCAL lock_timeout = '{LOCK_TIMEOUT}';\n\
+         SET LOCAL statement_timeout = '{STATEMENT_TIMEOUT}';\n\
+         SET LOCAL client_min_messages = warning;\n\
+         {LOCK};\n"
+    )
 }
 
-async fn apply(store: &Store, config: &Config) -> Result<(), StoreError> {
-    let mut conn = store.connection().await?;
-    let tx = conn.transaction().await?;
-    // Server-side bounds too, so an abandoned attempt does not linger holding locks.
-    tx.batch_execute("SET LOCAL lock_timeout = '30s'; SET LOCAL statement_timeout = '50s'")
-        .await?;
-    // Unnamed statements only (as in the store), so that migrations run
-    // through PgBouncer in transaction pooling too.
-    tx.execute_typed(
-        "SELECT pg_advisory_xact_lock(hashtext('outbox-relay migrate'))",
-        &[],
+/// The statements that open a migration's transaction: its bounds, the
+/// migrators' lock, the schema.
+fn transaction_header(schema: &str) -> String {
+    format!(
+        "{}\
+         SET LOCAL search_path TO {};\n",
+        bounds(),
+        quote_ident(schema)
     )
-    .await?;
+}
+
+/// Applies every migration not yet recorded for the configured table, each in
+/// its own transaction (or statement by statement when marked), and records
+/// it. Logs what ran, or that the table was up to date.
+pub async fn run(store: &Store, config: &Config) -> Result<(), StoreError> {
+    apply(store, config, MIGRATIONS).await
+}
+
+/// As [`run`], for any list of migrations (tests give their own).
+pub async fn apply(
+    store: &Store,
+    config: &Config,
+    migrations: &[Migration],
+) -> Result<(), StoreError> {
+    // A connection of its own, closed when done: nothing a migration sets in
+    // the session, nor its session lock, goes back to the pool.
+    let mut client = Object::take(store.connection().await?);
+    let recorded = bounded(MIGRATION_TIMEOUT, prepare(&mut client, config)).await?;
+    let mut applied = 0;
+    for migration in migrations {
+        if recorded.contains(&migration.version) {
+            continue;
+        }
+        let ran = if migration.in_transaction() {
+            bounded(
+                MIGRATION_TIMEOUT,
+                apply_in_transaction(&mut client, config, migration),
+            )
+            .await?
+        } else {
+            bounded(
+                NO_TRANSACTION_TIMEOUT,
+                apply_outside_transaction(&client, config, migration),
+            )
+            .await?
+        };
+        if ran {
+            applied += 1;
+            tracing::info!(schema = %config.schema, table = %config.table, "applied {}", migration.name);
+        }
+    }
+    if applied == 0 {
+        tracing::info!(schema = %config.schema, table = %config.table, "migrations up to date");
+    }
+    Ok(())
+}
+
+async fn bounded<T>(
+    limit: Duration,
+    step: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(limit, step)
+        .await
+        .unwrap_or(Err(StoreError::Timeout("a migration", limit)))
+}
+
+/// Creates the schema (when missing) and the record table; returns the
+/// versions recorded for the table.
+async fn prepare(client: &mut ClientWrapper, config: &Config) -> Result<BTreeSet<i32>, StoreError> {
+    let tx = client.transaction().await?;
+    tx.batch_execute(&bounds()).await?;
+    // Checked first: CREATE SCHEMA IF NOT EXISTS needs the database's CREATE
+    // privilege even when the schema exists.
     let exists = tx
         .query_typed_opt(
             "SELECT 1 FROM pg_namespace WHERE nspname = $1",
@@ -116,17 +254,189 @@ async fn apply(store: &Store, config: &Config) -> Result<(), StoreError> {
         .await?;
     }
     tx.batch_execute(&format!(
-        "SET LOCAL search_path TO {}",
+        "SET LOCAL search_path TO {};\n{RECORD_TABLE}",
         quote_ident(&config.schema)
     ))
     .await?;
-    for (name, sql) in MIGRATIONS {
-        tx.batch_execute(&render(sql, &config.schema, &config.table))
-            .await?;
-        tracing::info!(migration = name, schema = %config.schema, table = %config.table, "migration applied");
-    }
+    let versions = tx
+        .query_typed(RECORDED_ALL, &[(&config.table, Type::TEXT)])
+        .await?
+        .iter()
+        .map(|row| row.try_get(0))
+        .collect::<Result<_, _>>()?;
     tx.commit().await?;
+    Ok(versions)
+}
+
+/// Applies and records `migration` in one transaction, unless another
+/// migrator recorded it first. Returns whether it ran.
+async fn apply_in_transaction(
+    client: &mut ClientWrapper,
+    config: &Config,
+    migration: &Migration,
+) -> Result<bool, StoreError> {
+    let tx = client.transaction().await?;
+    tx.batch_execute(&transaction_header(&config.schema))
+        .await?;
+    if is_recorded(&*tx, config, migration).await? {
+        return Ok(false);
+    }
+    tx.batch_execute(&render(migration.sql, &config.schema, &config.table))
+        .await?;
+    record(&*tx, config, migration).await?;
+    tx.commit().await?;
+    Ok(true)
+}
+
+/// Runs `migration`'s statements one by one outside a transaction, holding
+/// the migrators' lock for the session, then records it. An INVALID index
+/// that an interrupted concurrent build left is dropped and built again.
+async fn apply_outside_transaction(
+    client: &ClientWrapper,
+    config: &Config,
+    migration: &Migration,
+) -> Result<bool, StoreError> {
+    client
+        .batch_execute(&format!(
+            "SET lock_timeout = '{LOCK_TIMEOUT}'; \
+             SET statement_timeout = '{NO_TRANSACTION_STATEMENT_TIMEOUT}'; \
+             SET client_min_messages = warning; \
+             SET search_path TO {}; {SESSION_LOCK}",
+            quote_ident(&config.schema)
+        ))
+        .await?;
+    if is_recorded(&**client, config, migration).await? {
+        client.batch_execute(SESSION_UNLOCK).await?;
+        return Ok(false);
+    }
+    for statement in statements(&render(migration.sql, &config.schema, &config.table)) {
+        if let Some(index) = concurrent_index_name(&statement) {
+            drop_invalid_index(client, &config.schema, &index).await?;
+        }
+        client.batch_execute(&statement).await?;
+    }
+    record(&**client, config, migration).await?;
+    client.batch_execute(SESSION_UNLOCK).await?;
+    Ok(true)
+}
+
+async fn drop_invalid_index(
+    client: &ClientWrapper,
+    schema: &str,
+    index: &str,
+) -> Result<(), StoreError> {
+    let invalid = client
+        .query_typed_opt(
+            INVALID_INDEX,
+            &[(&schema, Type::TEXT), (&index, Type::TEXT)],
+        )
+        .await?
+        .is_some();
+    if invalid {
+        tracing::warn!(%schema, %index, "dropping an INVALID index left by an interrupted build, to build it again");
+        client
+            .batch_execute(&format!(
+                "DROP INDEX CONCURRENTLY IF EXISTS {}.{}",
+                quote_ident(schema),
+                quote_ident(index)
+            ))
+            .await?;
+    }
     Ok(())
+}
+
+async fn is_recorded(
+    client: &impl tokio_postgres::GenericClient,
+    config: &Config,
+    migration: &Migration,
+) -> Result<bool, StoreError> {
+    Ok(client
+        .query_typed_opt(
+            RECORDED,
+            &[
+                (&config.table, Type::TEXT),
+                (&migration.version, Type::INT4),
+            ],
+        )
+        .await?
+        .is_some())
+}
+
+async fn record(
+    client: &impl tokio_postgres::GenericClient,
+    config: &Config,
+    migration: &Migration,
+) -> Result<(), StoreError> {
+    client
+        .execute_typed(
+            RECORD,
+            &[
+                (&config.table, Type::TEXT),
+                (&migration.version, Type::INT4),
+                (&migration.name, Type::TEXT),
+            ],
+        )
+        .await?;
+    Ok(())
+}
+
+/// `outbox-relay migrate --print`: every migration as a psql script for
+/// `schema`.`table`, each in its transaction (or statement by statement when
+/// marked) and recorded as `migrate` records it. Every migration is
+/// idempotent, so the script may run again.
+pub fn script(schema: &str, table: &str) -> String {
+    script_of(MIGRATIONS, schema, table)
+}
+
+fn script_of(migrations: &[Migration], schema: &str, table: &str) -> String {
+    let mut out = format!(
+        "-- outbox-relay {}: the migrations of {}.{}\n\
+         -- Apply with: psql -v ON_ERROR_STOP=1 -f <this file>\n\n\
+         BEGIN;\n",
+        env!("CARGO_PKG_VERSION"),
+        quote_ident(schema),
+        quote_ident(table)
+    );
+    out += &format!(
+        "{}CREATE SCHEMA IF NOT EXISTS {schema_ident};\n\
+         SET LOCAL search_path TO {schema_ident};\n\
+         {RECORD_TABLE}COMMIT;\n",
+        bounds(),
+        schema_ident = quote_ident(schema)
+    );
+    for migration in migrations {
+        let sql = render(migration.sql, schema, table);
+        let record = format!(
+            "INSERT INTO outbox_relay_migrations (table_name, version, name)\n    \
+             VALUES ({}, {}, {}) ON CONFLICT DO NOTHING;\n",
+            quote_literal(table),
+            migration.version,
+            quote_literal(migration.name)
+        );
+        out += &format!("\n-- {}\n", migration.name);
+        if migration.in_transaction() {
+            out += &format!(
+                "BEGIN;\n{}{}\n{record}COMMIT;\n",
+                transaction_header(schema),
+                sql.trim_end()
+            );
+        } else {
+            out += &format!(
+                "-- Outside a transaction. If a concurrent index build is interrupted, \
+                 DROP INDEX CONCURRENTLY the INVALID index it left before running this again.\n\
+                 SET lock_timeout = '{LOCK_TIMEOUT}';\n\
+                 SET statement_timeout = '{NO_TRANSACTION_STATEMENT_TIMEOUT}';\n\
+                 SET search_path TO {};\n",
+                quote_ident(schema)
+            );
+            for statement in statements(&sql) {
+                out += &format!("{statement};\n");
+            }
+            out += &record;
+            out += "RESET lock_timeout;\nRESET statement_timeout;\nRESET search_path;\n";
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -135,12 +445,12 @@ mod tests {
 
     #[test]
     fn renders_the_configured_table_and_its_index() {
-        let sql = render(MIGRATIONS[0].1, "public", "orders_outbox");
+        let sql = render(MIGRATIONS[0].sql, "public", "orders_outbox");
         assert!(sql.contains("CREATE TABLE IF NOT EXISTS \"orders_outbox\" ("));
         assert!(sql.contains("CREATE INDEX IF NOT EXISTS \"orders_outbox_pending\""));
         assert!(sql.contains("ON \"orders_outbox\" (tenant_id, id) WHERE published_at IS NULL"));
         assert!(!sql.contains("outbox_message"));
-        let odd = render(MIGRATIONS[0].1, "public", "we\"ird");
+        let odd = render(MIGRATIONS[0].sql, "public", "we\"ird");
         assert!(
             odd.contains("CREATE INDEX IF NOT EXISTS \"we\"\"ird_pending\""),
             "{odd}"
@@ -149,7 +459,7 @@ mod tests {
 
     #[test]
     fn the_trigger_takes_its_names_as_literals() {
-        let sql = render(MIGRATIONS[1].1, "app's", "out\"box");
+        let sql = render(MIGRATIONS[1].sql, "app's", "out\"box");
         assert!(
             sql.contains("format('%I.%I', 'app''s', 'out\"box')"),
             "{sql}"
@@ -159,6 +469,63 @@ mod tests {
             "{sql}"
         );
         assert!(!sql.contains('{'), "every placeholder filled: {sql}");
+    }
+
+    #[test]
+    fn a_name_holding_a_placeholder_is_not_substituted_again() {
+        let sql = render(
+            "{schema_literal} {table_literal} outbox_message",
+            "s{table_literal}",
+            "t{schema_literal}outbox_message",
+        );
+        assert_eq!(
+            sql,
+            "'s{table_literal}' 't{schema_literal}outbox_message' \"t{schema_literal}outbox_message\""
+        );
+    }
+
+    #[test]
+    fn the_versions_are_the_file_numbers_in_order() {
+        for (n, migration) in MIGRATIONS.iter().enumerate() {
+            assert_eq!(migration.version, i32::try_from(n + 1).unwrap());
+            assert!(migration.name.starts_with(&format!("{:04}_", n + 1)));
+            assert!(migration.in_transaction(), "{}", migration.name);
+        }
+    }
+
+    #[test]
+    fn the_script_runs_each_migration_in_its_transaction_and_records_it() {
+        let script = script("app", "orders_outbox");
+        assert_eq!(script.matches("BEGIN;").count(), 1 + MIGRATIONS.len());
+        assert_eq!(script.matches("COMMIT;").count(), 1 + MIGRATIONS.len());
+        assert!(script.contains("CREATE TABLE IF NOT EXISTS outbox_relay_migrations"));
+        assert!(script.contains("VALUES ('orders_outbox', 2, '0002_commit_order')"));
+        assert!(script.contains("SET LOCAL search_path TO \"app\";"));
+    }
+
+    #[test]
+    fn a_no_transaction_migration_is_printed_statement_by_statement() {
+        let marked = Migration {
+            version: 3,
+            name: "0003_index",
+            sql: "-- outbox-relay: no-transaction\n\
+                  DROP INDEX CONCURRENTLY IF EXISTS outbox_message_pending;\n\
+                  CREATE INDEX CONCURRENTLY IF NOT EXISTS outbox_message_pending\n    \
+                  ON outbox_message (tenant_id, id) WHERE published_at IS NULL;\n",
+        };
+        assert!(!marked.in_transaction());
+        let script = script_of(&[marked], "app", "t");
+        let part = &script[script.find("-- 0003_index").unwrap()..];
+        assert!(!part.contains("BEGIN;"), "{part}");
+        assert!(
+            part.contains("DROP INDEX CONCURRENTLY IF EXISTS \"t_pending\";\n"),
+            "{part}"
+        );
+        assert!(
+            part.contains("CREATE INDEX CONCURRENTLY IF NOT EXISTS \"t_pending\"\n    ON \"t\""),
+            "{part}"
+        );
+        assert!(part.contains("VALUES ('t', 3, '0003_index')"), "{part}");
     }
 
     #[test]
