@@ -46,17 +46,19 @@ fn push_statement(out: &mut Vec<String>, text: &str) {
 
 /// Whether `text` holds nothing but whitespace and comments.
 fn is_blank(text: &str) -> bool {
+    without_leading_comments(text).is_empty()
+}
+
+/// `text` from its first byte that is neither whitespace nor in a comment.
+fn without_leading_comments(text: &str) -> &str {
     let mut rest = text.trim_start();
     loop {
-        if rest.is_empty() {
-            return true;
-        }
         if let Some(after) = rest.strip_prefix("--") {
             rest = after.split_once('\n').map_or("", |(_, next)| next);
         } else if rest.starts_with("/*") {
             rest = &rest[skip_block_comment(rest.as_bytes(), 0).min(rest.len())..];
         } else {
-            return false;
+            return rest;
         }
         rest = rest.trim_start();
     }
@@ -134,7 +136,7 @@ fn skip_dollar_quoted(sql: &str, open: usize) -> usize {
 /// interrupted concurrent build leaves an INVALID index of that name, which
 /// `IF NOT EXISTS` would keep: the runner drops it and builds again.
 pub fn concurrent_index_name(statement: &str) -> Option<String> {
-    let mut rest = keyword(statement, "create")?;
+    let mut rest = keyword(without_leading_comments(statement), "create")?;
     rest = keyword(rest, "unique").unwrap_or(rest);
     rest = keyword(keyword(rest, "index")?, "concurrently")?;
     if let Some(after) = keyword(rest, "if") {
@@ -218,6 +220,10 @@ mod tests {
         assert_eq!(
             concurrent_index_name("CREATE INDEX CONCURRENTLY \"a b\" ON t (x)"),
             Some("a b".into())
+        );
+        assert_eq!(
+            concurrent_index_name("-- why\n/* and how */ CREATE INDEX CONCURRENTLY i ON t (x)"),
+            Some("i".into())
         );
         assert_eq!(
             concurrent_index_name("create unique index concurrently Idx on t (x)"),

@@ -660,45 +660,61 @@ async fn sigterm_during_a_slow_batch() {
     outbox.drop_schema().await;
 }
 
-/// 11. Rows committed out of id order: the lower id committed second is not lost.
+/// 11. Two writers of one tenant: the second waits for the first to commit
+/// before it draws its id (the commit-order trigger), so the ids follow commit
+/// order and the consumer receives them so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_committed_out_of_id_order() {
     let outbox = Outbox::create().await;
     let broker = Broker::create(&["#"]).await;
     let relay = start_relay(config(&outbox, &broker, &["late"])).await;
     let mut first_writer = pg_client().await;
-    let second_writer = pg_client().await;
+    let second_writer = std::sync::Arc::new(pg_client().await);
+    let second_pid: i32 = second_writer
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
     let insert = format!(
         "INSERT INTO {} (tenant_id, kind, subject_id, payload) VALUES ('late', 'k', $1, '{{}}') RETURNING id",
         outbox.qualified()
     );
     let slow = first_writer.transaction().await.unwrap();
-    let lower: i64 = slow.query_one(&insert, &[&"lower"]).await.unwrap().get(0);
-    let higher: i64 = second_writer
-        .query_one(&insert, &[&"higher"])
-        .await
-        .unwrap()
-        .get(0);
-    assert!(lower < higher);
+    let first: i64 = slow.query_one(&insert, &[&"first"]).await.unwrap().get(0);
+    let second = tokio::spawn({
+        let (client, insert) = (second_writer.clone(), insert.clone());
+        async move {
+            client
+                .query_one(&insert, &[&"second"])
+                .await
+                .unwrap()
+                .get::<_, i64>(0)
+        }
+    });
     eventually(
-        "the higher id, committed first, is published",
-        Duration::from_secs(20),
-        || async { outbox.row(higher).await.published },
+        "the second writer waits for the first to commit",
+        Duration::from_secs(10),
+        || async {
+            outbox
+                .client
+                .query_opt(
+                    "SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND wait_event = 'advisory'",
+                    &[&second_pid],
+                )
+                .await
+                .unwrap()
+                .is_some()
+        },
     )
     .await;
     slow.commit().await.unwrap();
-    eventually(
-        "the lower id, committed later, is published too",
-        Duration::from_secs(20),
-        || async { outbox.row(lower).await.published },
-    )
-    .await;
-    eventually("both received", Duration::from_secs(10), || async {
-        broker.count() == 2
-    })
-    .await;
-    // The documented caveat: outbox order is id order, not commit order.
-    assert_eq!(by_tenant(&broker.received())["late"], vec![higher, lower]);
+    let second = second.await.unwrap();
+    assert!(first < second, "ids follow commit order");
+    let committed = Committed::from([("late".to_string(), vec![first, second])]);
+    assert_eq!(
+        check_history(&outbox, &broker, &committed, Duration::from_secs(20)).await,
+        0
+    );
     relay.stop().await;
     broker.delete().await;
     outbox.drop_schema().await;

@@ -8,6 +8,7 @@ mod deploy;
 mod faults;
 mod http;
 mod memory;
+mod order;
 mod pgbouncer;
 mod proxy;
 mod refusals;

@@ -1,0 +1,732 @@
+//! Commit order (the trigger of `migrations/0002_commit_order.sql`) and the
+//! versioned migrations: interleaved writers with the consumer-side order
+//! checked, several tenants in one transaction, the deadlock of opposite
+//! orders, ids the application supplies, insert-only roles, bulk loads, the
+//! upgrade of an existing table, `migrate --print` and the check at start.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use outbox_relay::config::Config;
+use outbox_relay::migrate::{MIGRATIONS, Migration};
+use outbox_relay::store::Store;
+use tokio_postgres::Client;
+
+use crate::support::{
+    Broker, DATABASE_URL, Outbox, by_tenant, check_history, config, eventually, pg_client,
+    relay_command, relay_env, spawn_relay, start_relay, unique,
+};
+
+/// Committed ids per tenant.
+type Committed = BTreeMap<String, Vec<i64>>;
+
+fn insert_sql(outbox: &Outbox) -> String {
+    format!(
+        "INSERT INTO {} (tenant_id, kind, subject_id, payload) VALUES ($1, 'k', 's', '{{}}') RETURNING id",
+        outbox.qualified()
+    )
+}
+
+async fn insert(client: &Client, sql: &str, tenant: &str) -> Result<i64, tokio_postgres::Error> {
+    Ok(client.query_one(sql, &[&tenant]).await?.get(0))
+}
+
+async fn backend_pid(client: &Client) -> i32 {
+    client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .expect("pid")
+        .get(0)
+}
+
+/// Whether the backend `pid` waits for an advisory lock (a writer queued
+/// behind another writer of its tenant).
+async fn waits_for_advisory_lock(observer: &Client, pid: i32) -> bool {
+    observer
+        .query_opt(
+            "SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock' AND wait_event = 'advisory'",
+            &[&pid],
+        )
+        .await
+        .expect("pg_stat_activity")
+        .is_some()
+}
+
+/// A small deterministic generator (xorshift), one per writer.
+fn generator(seed: u64) -> impl FnMut(u64) -> u64 {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    move |below| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % below
+    }
+}
+
+/// Eight connections write two tenants, each transaction held open 0–40 ms
+/// after its insert: a tenant's writers commit in id order (writers of the
+/// other tenant commit in between, lower ids after higher ones), and every
+/// tenant's messages reach the consumer in ascending id, none lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interleaved_writers_arrive_in_commit_order() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let relay = start_relay(config(&outbox, &broker, &["red", "blue"])).await;
+    let sql = Arc::new(insert_sql(&outbox));
+    let commits = Arc::new(AtomicU64::new(0));
+    let mut writers = Vec::new();
+    for writer in 0..8u64 {
+        let (sql, commits) = (sql.clone(), commits.clone());
+        writers.push(tokio::spawn(async move {
+            let mut client = pg_client().await;
+            let mut random = generator(writer + 1);
+            let mut written = Vec::new();
+            for _ in 0..25 {
+                let tenant = if random(2) == 0 { "red" } else { "blue" };
+                let tx = client.transaction().await.expect("begin");
+                let id: i64 = tx
+                    .query_one(sql.as_str(), &[&tenant])
+                    .await
+                    .expect("insert")
+                    .get(0);
+                tokio::time::sleep(Duration::from_millis(random(41))).await;
+                tx.commit().await.expect("commit");
+                written.push((tenant, id, commits.fetch_add(1, Ordering::SeqCst)));
+            }
+            written
+        }));
+    }
+    let mut written = Vec::new();
+    for writer in writers {
+        written.extend(writer.await.expect("writer"));
+    }
+    written.sort_by_key(|(_, _, commit)| *commit);
+    let mut committed = Committed::new();
+    for (tenant, id, _) in &written {
+        committed.entry(tenant.to_string()).or_default().push(*id);
+    }
+    for (tenant, ids) in &committed {
+        assert!(
+            ids.windows(2).all(|w| w[0] < w[1]),
+            "{tenant}'s writers committed in id order: {ids:?}"
+        );
+    }
+    assert!(
+        written.windows(2).any(|w| w[0].1 > w[1].1),
+        "some lower id (of the other tenant) committed after a higher one"
+    );
+    assert_eq!(
+        check_history(&outbox, &broker, &committed, Duration::from_secs(60)).await,
+        0,
+        "no duplicates"
+    );
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+/// A transaction open with rows of two tenants holds back only later writers
+/// of those tenants: the relay sweeps them (their committed rows go out),
+/// another tenant's writers go on, and once it commits everything arrives in
+/// order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_writing_two_tenants_blocks_neither_the_relay_nor_other_tenants() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let relay = start_relay(config(&outbox, &broker, &["a", "b", "c"])).await;
+    let sql = insert_sql(&outbox);
+    let mut committed = Committed::new();
+    let a0 = outbox.insert("a", "k", "s", Some("{}"), None).await;
+    committed.entry("a".into()).or_default().push(a0);
+
+    let mut both = pg_client().await;
+    let tx = both.transaction().await.unwrap();
+    let ta: i64 = tx.query_one(&sql, &[&"a"]).await.unwrap().get(0);
+    let tb: i64 = tx.query_one(&sql, &[&"b"]).await.unwrap().get(0);
+
+    let later_a = Arc::new(pg_client().await);
+    let later_a_pid = backend_pid(&later_a).await;
+    let queued = tokio::spawn({
+        let (client, sql) = (later_a.clone(), sql.clone());
+        async move {
+            insert(&client, &sql, "a")
+                .await
+                .expect("the later writer inserts")
+        }
+    });
+    let observer = pg_client().await;
+    eventually(
+        "the later writer of a waits for the open transaction",
+        Duration::from_secs(10),
+        || async { waits_for_advisory_lock(&observer, later_a_pid).await },
+    )
+    .await;
+    for _ in 0..5 {
+        let id = outbox.insert("c", "k", "s", Some("{}"), None).await;
+        committed.entry("c".into()).or_default().push(id);
+    }
+    eventually(
+        "a's committed row and c's rows go out while the transaction is open",
+        Duration::from_secs(20),
+        || async { outbox.pending("a").await == 0 && outbox.pending("c").await == 0 },
+    )
+    .await;
+    assert!(!queued.is_finished(), "the later writer of a still waits");
+    tx.commit().await.unwrap();
+    let later = queued.await.unwrap();
+    assert!(later > tb, "the later writer drew its id after the commit");
+    committed.get_mut("a").unwrap().extend([ta, later]);
+    committed.insert("b".into(), vec![tb]);
+    assert_eq!(
+        check_history(&outbox, &broker, &committed, Duration::from_secs(30)).await,
+        0
+    );
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+/// Two writers inserting two tenants in opposite orders: PostgreSQL's
+/// deadlock detector aborts one (SQLSTATE 40P01), the other commits, and the
+/// relay goes on. (Writers of several tenants should insert them sorted.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opposite_orders_deadlock_one_writer_and_the_relay_goes_on() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let relay = start_relay(config(&outbox, &broker, &["x", "y", "z"])).await;
+    let sql = Arc::new(insert_sql(&outbox));
+    let first = Arc::new(pg_client().await);
+    let second = Arc::new(pg_client().await);
+    let first_pid = backend_pid(&first).await;
+    first.batch_execute("BEGIN").await.unwrap();
+    second.batch_execute("BEGIN").await.unwrap();
+    let first_x = insert(&first, &sql, "x").await.unwrap();
+    let second_y = insert(&second, &sql, "y").await.unwrap();
+    let first_then_y = tokio::spawn({
+        let (client, sql) = (first.clone(), sql.clone());
+        async move { insert(&client, &sql, "y").await }
+    });
+    let observer = pg_client().await;
+    eventually(
+        "the first writer waits for y",
+        Duration::from_secs(10),
+        || async { waits_for_advisory_lock(&observer, first_pid).await },
+    )
+    .await;
+    let second_then_x = insert(&second, &sql, "x").await;
+    let first_then_y = first_then_y.await.unwrap();
+    let deadlocked = |result: &Result<i64, tokio_postgres::Error>| {
+        result
+            .as_ref()
+            .err()
+            .and_then(|e| e.as_db_error())
+            .is_some_and(|db| db.code().code() == "40P01")
+    };
+    assert!(
+        deadlocked(&first_then_y) != deadlocked(&second_then_x),
+        "exactly one writer is aborted as a deadlock: {first_then_y:?} / {second_then_x:?}"
+    );
+    let mut committed = Committed::new();
+    let (survivor, loser) = if deadlocked(&first_then_y) {
+        committed.insert("y".into(), vec![second_y]);
+        committed.insert("x".into(), vec![second_then_x.unwrap()]);
+        (&second, &first)
+    } else {
+        committed.insert("x".into(), vec![first_x]);
+        committed.insert("y".into(), vec![first_then_y.unwrap()]);
+        (&first, &second)
+    };
+    loser.batch_execute("ROLLBACK").await.unwrap();
+    survivor.batch_execute("COMMIT").await.unwrap();
+    let after = outbox.insert("z", "k", "s", Some("{}"), None).await;
+    committed.insert("z".into(), vec![after]);
+    assert_eq!(
+        check_history(&outbox, &broker, &committed, Duration::from_secs(30)).await,
+        0
+    );
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+/// An id the application supplies is replaced by one drawn from the sequence
+/// under the tenant's lock, and the message carries the drawn id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_application_supplied_id_is_overwritten() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let sql = format!(
+        "INSERT INTO {} (id, tenant_id, kind, subject_id, payload) VALUES (424242, 'own', 'k', 's', '{{}}') RETURNING id",
+        outbox.qualified()
+    );
+    let id: i64 = outbox.client.query_one(&sql, &[]).await.unwrap().get(0);
+    assert_ne!(id, 424242, "the supplied id is overwritten");
+    let relay = start_relay(config(&outbox, &broker, &["own"])).await;
+    let committed = Committed::from([("own".to_string(), vec![id])]);
+    assert_eq!(
+        check_history(&outbox, &broker, &committed, Duration::from_secs(20)).await,
+        0
+    );
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+/// A role that may only INSERT into the table (and use its schema) writes
+/// through the trigger: the lock and the sequence are used with the owner's
+/// rights.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_that_may_only_insert_writes_through_the_trigger() {
+    let outbox = Outbox::create().await;
+    let role = unique("insert_only");
+    outbox
+        .execute(&format!(
+            "CREATE ROLE \"{role}\" NOLOGIN; \
+             GRANT USAGE ON SCHEMA \"{schema}\" TO \"{role}\"; \
+             GRANT INSERT ON {{outbox}} TO \"{role}\"",
+            schema = outbox.schema
+        ))
+        .await;
+    let writer = pg_client().await;
+    let written = writer
+        .batch_execute(&format!(
+            "SET ROLE \"{role}\"; \
+             INSERT INTO {} (tenant_id, kind, subject_id, payload) VALUES ('limited', 'k', 's', '{{}}'); \
+             RESET ROLE",
+            outbox.qualified()
+        ))
+        .await;
+    let ids: Vec<i64> = outbox
+        .client
+        .query(
+            &format!(
+                "SELECT id FROM {} WHERE tenant_id = 'limited'",
+                outbox.qualified()
+            ),
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+    outbox
+        .execute(&format!("DROP OWNED BY \"{role}\"; DROP ROLE \"{role}\""))
+        .await;
+    written.expect("the insert-only role inserts");
+    assert_eq!(ids.len(), 1, "one row written");
+    outbox.drop_schema().await;
+}
+
+/// How many advisory locks the current transaction of `client` holds.
+async fn advisory_locks_held(client: &tokio_postgres::Transaction<'_>) -> i64 {
+    client
+        .query_one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// One transaction writing 2,000 tenants takes 2,000 locks and works; a bulk
+/// load of 20,000 tenants that holds writers out itself (`LOCK TABLE … IN
+/// EXCLUSIVE MODE`) and sets `outbox_relay.commit_order = off` takes none and
+/// works. (Past the shared lock table, about max_locks_per_transaction ×
+/// max_connections, an insert fails with SQLSTATE 53200: not tested here,
+/// since the lock table is shared with every other test.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bulk_inserts_over_many_tenants_and_the_escape_hatch() {
+    let mut outbox = Outbox::create().await;
+    let bulk = |tenants: i64| {
+        format!(
+            "INSERT INTO {} (tenant_id, kind, subject_id, payload) \
+             SELECT 'bulk-' || g, 'k', 's', '{{}}' FROM generate_series(1, {tenants}) g",
+            format_args!("\"{}\".\"{}\"", outbox.schema, outbox.table)
+        )
+    };
+    let (two_thousand, twenty_thousand) = (bulk(2_000), bulk(20_000));
+    let tx = outbox.client.transaction().await.unwrap();
+    assert_eq!(tx.execute(&two_thousand, &[]).await.unwrap(), 2_000);
+    assert_eq!(advisory_locks_held(&tx).await, 2_000, "one lock per tenant");
+    tx.commit().await.unwrap();
+
+    let tx = outbox.client.transaction().await.unwrap();
+    tx.batch_execute(&format!(
+        "LOCK TABLE \"{}\".\"{}\" IN EXCLUSIVE MODE; SET LOCAL outbox_relay.commit_order = off",
+        outbox.schema, outbox.table
+    ))
+    .await
+    .unwrap();
+    assert_eq!(tx.execute(&twenty_thousand, &[]).await.unwrap(), 20_000);
+    assert_eq!(advisory_locks_held(&tx).await, 0, "no lock per tenant");
+    tx.commit().await.unwrap();
+    assert_eq!(outbox.all_pending().await, 22_000);
+    outbox.drop_schema().await;
+}
+
+/// A configuration of the migrations for `schema`.
+fn migrate_config(schema: &str) -> Config {
+    let mut config = Config::with_tenants(["migrate"]);
+    config.database_url = DATABASE_URL.parse().expect("database url");
+    config.schema = schema.to_string();
+    config
+}
+
+/// `outbox-relay migrate` for `schema`: exit code and output.
+async fn migrate_binary(schema: &str, print: bool) -> (Option<i32>, String) {
+    let mut command = relay_command();
+    command.arg("migrate");
+    if print {
+        command.arg("--print");
+    }
+    command.envs([
+        ("OUTBOX_TENANTS", "migrate"),
+        ("OUTBOX_DATABASE_URL", DATABASE_URL),
+        ("OUTBOX_SCHEMA", schema),
+        ("OUTBOX_LOG_FORMAT", "json"),
+    ]);
+    let output = tokio::task::spawn_blocking(move || command.output())
+        .await
+        .unwrap()
+        .expect("the binary runs");
+    let text = String::from_utf8_lossy(&output.stdout).into_owned()
+        + &String::from_utf8_lossy(&output.stderr);
+    (output.status.code(), text)
+}
+
+/// The table made by the first migration alone, with no record: what
+/// `migrate` made before migrations were versioned.
+async fn old_table(client: &Client, schema: &str) {
+    let sql = outbox_relay::migrate::render(MIGRATIONS[0].sql, schema, "outbox_message");
+    client
+        .batch_execute(&format!(
+            "CREATE SCHEMA \"{schema}\"; SET search_path TO \"{schema}\"; {sql} RESET search_path"
+        ))
+        .await
+        .expect("the old table");
+}
+
+async fn drop_schema(client: &Client, schema: &str) {
+    let _ = client
+        .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+        .await;
+}
+
+async fn recorded(client: &Client, schema: &str) -> Vec<(String, i32, String)> {
+    client
+        .query(
+            &format!(
+                "SELECT table_name, version, name FROM \"{schema}\".outbox_relay_migrations ORDER BY 1, 2"
+            ),
+            &[],
+        )
+        .await
+        .expect("the record")
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect()
+}
+
+/// The table's storage (its `relfilenode`) and its row count.
+async fn storage(client: &Client, table: &str) -> (i64, i64) {
+    let row = client
+        .query_one(
+            &format!(
+                "SELECT c.relfilenode::bigint, (SELECT count(*) FROM {table}) \
+                 FROM pg_class c WHERE c.oid = to_regclass($1::text)"
+            ),
+            &[&table],
+        )
+        .await
+        .unwrap();
+    (row.get(0), row.get(1))
+}
+
+/// Whether the index `kind_once` of `schema` is valid.
+async fn kind_once_valid(client: &Client, schema: &str) -> bool {
+    client
+        .query_one(
+            "SELECT i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+             JOIN pg_namespace n ON n.oid = c.relnamespace WHERE n.nspname = $1 AND c.relname = 'kind_once'",
+            &[&schema],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
+/// A table made by the old `migrate` (0001 only, no record) is upgraded in
+/// place: same storage (`relfilenode`), rows kept, the trigger added; a
+/// second run changes nothing and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_table_is_upgraded_in_place_and_a_second_migrate_is_up_to_date() {
+    let client = pg_client().await;
+    let schema = unique("old");
+    old_table(&client, &schema).await;
+    let table = format!("\"{schema}\".outbox_message");
+    client
+        .batch_execute(&format!(
+            "INSERT INTO {table} (tenant_id, kind, subject_id) SELECT 't', 'k', 's' FROM generate_series(1, 100)"
+        ))
+        .await
+        .unwrap();
+    let before = storage(&client, &table).await;
+
+    let (code, output) = migrate_binary(&schema, false).await;
+    assert_eq!(code, Some(0), "{output}");
+    assert!(output.contains("applied 0001_outbox"), "{output}");
+    assert!(output.contains("applied 0002_commit_order"), "{output}");
+    assert_eq!(
+        storage(&client, &table).await,
+        before,
+        "same storage, rows kept"
+    );
+    let inserted: i64 = client
+        .query_one(
+            &format!("INSERT INTO {table} (id, tenant_id, kind, subject_id) VALUES (1, 't', 'k', 's') RETURNING id"),
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(inserted > 100, "the trigger draws the id: {inserted}");
+    let names: Vec<i32> = recorded(&client, &schema)
+        .await
+        .iter()
+        .map(|r| r.1)
+        .collect();
+    assert_eq!(names, vec![1, 2]);
+
+    let (code, output) = migrate_binary(&schema, false).await;
+    assert_eq!(code, Some(0), "{output}");
+    assert!(output.contains("migrations up to date"), "{output}");
+    assert!(!output.contains("applied"), "{output}");
+    drop_schema(&client, &schema).await;
+}
+
+/// Four migrators at once (replicas started together): every one succeeds,
+/// each migration is applied by exactly one of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_migrators_apply_each_migration_once() {
+    let client = pg_client().await;
+    let schema = unique("race");
+    let runs: Vec<_> = (0..4)
+        .map(|_| {
+            let schema = schema.clone();
+            tokio::spawn(async move { migrate_binary(&schema, false).await })
+        })
+        .collect();
+    let mut outputs = String::new();
+    for run in runs {
+        let (code, output) = run.await.unwrap();
+        assert_eq!(code, Some(0), "{output}");
+        outputs += &output;
+    }
+    for migration in MIGRATIONS {
+        assert_eq!(
+            outputs
+                .matches(&format!("applied {}", migration.name))
+                .count(),
+            1,
+            "{outputs}"
+        );
+    }
+    assert_eq!(recorded(&client, &schema).await.len(), MIGRATIONS.len());
+    drop_schema(&client, &schema).await;
+}
+
+/// What a schema holds, with its name replaced by `S`: columns, indexes,
+/// constraints, triggers, functions and the record.
+async fn catalog(client: &Client, schema: &str) -> Vec<String> {
+    let sql = format!(
+        "SELECT 'column ' || c.relname || '.' || a.attname || ' ' || format_type(a.atttypid, a.atttypmod)
+                || ' ' || a.attnotnull || ' ' || a.attidentity::text || ' ' || coalesce(pg_get_expr(d.adbin, d.adrelid), '')
+           FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+           LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+          WHERE n.nspname = $1 AND a.attnum > 0 AND NOT a.attisdropped AND c.relkind = 'r'
+         UNION ALL
+         SELECT 'index ' || pg_get_indexdef(i.indexrelid) || ' ' || i.indisvalid
+           FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+          WHERE n.nspname = $1
+         UNION ALL
+         SELECT 'constraint ' || conname || ' ' || pg_get_constraintdef(co.oid)
+           FROM pg_constraint co JOIN pg_namespace n ON n.oid = co.connamespace WHERE n.nspname = $1
+         UNION ALL
+         SELECT 'trigger ' || pg_get_triggerdef(t.oid) || ' ' || t.tgenabled::text
+           FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+          WHERE n.nspname = $1 AND NOT t.tgisinternal
+         UNION ALL
+         SELECT 'function ' || p.proname || ' ' || p.prosecdef || ' '
+                || coalesce(array_to_string(p.proconfig, ','), '') || ' ' || md5(p.prosrc)
+           FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = $1
+         UNION ALL
+         SELECT 'recorded ' || table_name || ' ' || version || ' ' || name FROM \"{schema}\".outbox_relay_migrations
+         ORDER BY 1"
+    );
+    client
+        .query(&sql, &[&schema])
+        .await
+        .expect("the catalog")
+        .iter()
+        .map(|r| r.get::<_, String>(0).replace(schema, "S"))
+        .collect()
+}
+
+/// `migrate --print` connects to nothing, and its script applied with
+/// `psql -v ON_ERROR_STOP=1` (twice: it is idempotent) leaves the catalog
+/// as `migrate` does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_print_applied_by_psql_equals_migrate() {
+    let client = pg_client().await;
+    let (by_migrate, by_psql) = (unique("mig"), unique("psq"));
+    let config = migrate_config(&by_migrate);
+    outbox_relay::migrate::run(&Store::new(&config).unwrap(), &config)
+        .await
+        .expect("migrate");
+    let mut printed = relay_command();
+    printed.args(["migrate", "--print"]).envs([
+        ("OUTBOX_TENANTS", "migrate"),
+        // Nothing listens there: --print must not connect.
+        ("OUTBOX_DATABASE_URL", "postgres://nobody@127.0.0.1:1/none"),
+        ("OUTBOX_SCHEMA", by_psql.as_str()),
+    ]);
+    let output = printed.output().expect("the binary runs");
+    assert_eq!(output.status.code(), Some(0));
+    let script = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(script.path(), &output.stdout).unwrap();
+    for _ in 0..2 {
+        let psql = std::process::Command::new("psql")
+            .args([DATABASE_URL, "-q", "-v", "ON_ERROR_STOP=1", "-f"])
+            .arg(script.path())
+            .output()
+            .expect("psql runs");
+        assert!(
+            psql.status.success(),
+            "psql applied the script: {}",
+            String::from_utf8_lossy(&psql.stderr)
+        );
+    }
+    let expected = catalog(&client, &by_migrate).await;
+    assert!(
+        expected
+            .iter()
+            .any(|e| e.starts_with("trigger CREATE TRIGGER outbox_relay_commit_order"))
+    );
+    assert_eq!(catalog(&client, &by_psql).await, expected);
+    drop_schema(&client, &by_migrate).await;
+    drop_schema(&client, &by_psql).await;
+}
+
+/// A migration marked to run outside a transaction builds its index
+/// concurrently, after dropping the INVALID index an interrupted build left
+/// (which `IF NOT EXISTS` alone would keep).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_no_transaction_migration_rebuilds_an_invalid_index() {
+    let outbox = Outbox::create().await;
+    outbox.insert("t", "dup", "s", None, None).await;
+    outbox.insert("t", "dup", "s", None, None).await;
+    let failed = outbox
+        .client
+        .batch_execute(&format!(
+            "CREATE UNIQUE INDEX CONCURRENTLY kind_once ON {} (kind)",
+            outbox.qualified()
+        ))
+        .await;
+    assert!(failed.is_err(), "the duplicate fails the build");
+    assert!(
+        !kind_once_valid(&outbox.client, &outbox.schema).await,
+        "left INVALID"
+    );
+    outbox
+        .execute("DELETE FROM {outbox} WHERE id = (SELECT max(id) FROM {outbox})")
+        .await;
+    let marked = Migration {
+        version: 100,
+        name: "0100_kind_once",
+        sql: "-- outbox-relay: no-transaction\n\
+              CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS kind_once ON outbox_message (kind);\n",
+    };
+    let config = migrate_config(&outbox.schema);
+    outbox_relay::migrate::apply(&Store::new(&config).unwrap(), &config, &[marked])
+        .await
+        .expect("the marked migration applies");
+    assert!(
+        kind_once_valid(&outbox.client, &outbox.schema).await,
+        "rebuilt valid"
+    );
+    assert!(
+        recorded(&outbox.client, &outbox.schema)
+            .await
+            .iter()
+            .any(|r| r.1 == 100),
+        "recorded"
+    );
+    outbox.drop_schema().await;
+}
+
+/// A relay over a table without the trigger says so once, plainly, and
+/// relays all the same; over a migrated table it says nothing of the kind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_warns_once_about_a_missing_trigger() {
+    let client = pg_client().await;
+    let schema = unique("bare");
+    old_table(&client, &schema).await;
+    let outbox = Outbox {
+        schema: schema.clone(),
+        table: "outbox_message".into(),
+        client,
+    };
+    let broker = Broker::create(&["#"]).await;
+    let env = relay_env(&outbox, &broker, &["w"]);
+    let (relay, _) = spawn_relay(&env).await;
+    outbox.insert("w", "k", "s", Some("{}"), None).await;
+    eventually("the row is relayed", Duration::from_secs(20), || async {
+        outbox.all_pending().await == 0
+    })
+    .await;
+    eventually("the warning", Duration::from_secs(10), || async {
+        relay.output().contains("no commit-order trigger")
+    })
+    .await;
+    let output = relay.output();
+    let warnings: Vec<&str> = output
+        .lines()
+        .filter(|l| l.contains("no commit-order trigger"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "{output}");
+    assert!(warnings[0].contains("\"WARN\""), "{}", warnings[0]);
+    assert!(
+        warnings[0].contains("out of commit order"),
+        "{}",
+        warnings[0]
+    );
+    assert!(
+        warnings[0].contains("outbox-relay migrate --print"),
+        "{}",
+        warnings[0]
+    );
+    drop(relay);
+
+    let config = migrate_config(&schema);
+    outbox_relay::migrate::run(&Store::new(&config).unwrap(), &config)
+        .await
+        .unwrap();
+    let (relay, _) = spawn_relay(&env).await;
+    outbox.insert("w", "k", "s", Some("{}"), None).await;
+    eventually(
+        "the next row is relayed",
+        Duration::from_secs(20),
+        || async { outbox.all_pending().await == 0 },
+    )
+    .await;
+    let received = by_tenant(&broker.received());
+    assert_eq!(received["w"].len(), 2);
+    assert!(!relay.output().contains("\"WARN\""), "{}", relay.output());
+    drop(relay);
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
