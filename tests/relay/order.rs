@@ -596,6 +596,12 @@ async fn migrate_print_applied_by_psql_equals_migrate() {
     ]);
     let output = printed.output().expect("the binary runs");
     assert_eq!(output.status.code(), Some(0));
+    let refused = printed
+        .env("OUTBOX_POLL_MS", "0")
+        .output()
+        .expect("the binary runs");
+    assert_eq!(refused.status.code(), Some(2), "bad configuration exits 2");
+    assert!(refused.stdout.is_empty(), "and prints no script");
     let script = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(script.path(), &output.stdout).unwrap();
     for _ in 0..2 {
