@@ -736,3 +736,36 @@ async fn the_relay_warns_once_about_a_missing_trigger() {
     broker.delete().await;
     outbox.drop_schema().await;
 }
+
+/// The check names each missing piece: a migrated table has none; without
+/// its pending index and with its trigger disabled it has those two, and
+/// NOTIFYs are not to be expected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_schema_check_names_each_missing_piece() {
+    use outbox_relay::migrate::{Missing, check_schema};
+    let outbox = Outbox::create().await;
+    let config = migrate_config(&outbox.schema);
+    let store = Store::new(&config).unwrap();
+    let report = check_schema(&store, &config).await.unwrap();
+    assert_eq!((report.missing, report.trigger), (vec![], true));
+
+    outbox
+        .execute(&format!(
+            "DROP INDEX \"{}\".outbox_message_pending; \
+             ALTER TABLE {{outbox}} DISABLE TRIGGER outbox_relay_commit_order",
+            outbox.schema
+        ))
+        .await;
+    let report = check_schema(&store, &config).await.unwrap();
+    assert_eq!(
+        report.missing,
+        vec![Missing::PendingIndex, Missing::TriggerDisabled]
+    );
+    assert!(!report.trigger);
+
+    let mut elsewhere = config.clone();
+    elsewhere.table = "no_such_table".into();
+    let report = check_schema(&store, &elsewhere).await.unwrap();
+    assert_eq!(report.missing, vec![Missing::Table]);
+    outbox.drop_schema().await;
+}

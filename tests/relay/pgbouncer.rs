@@ -255,3 +255,40 @@ async fn two_relays_on_two_tables_through_session_pooling() {
     let url = through_pgbouncer(SESSION_PORT, "session").await;
     two_relays_two_tables_one_small_pool(url).await;
 }
+
+/// The migrations and the check at start through transaction pooling: each
+/// migration applied and recorded once, a second run finds nothing to do, and
+/// the check finds nothing missing (every statement unnamed, nothing kept in
+/// the session).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_and_the_schema_check_through_transaction_pooling() {
+    let url = through_pgbouncer(TRANSACTION_PORT, "transaction").await;
+    let schema = crate::support::unique("pgb_mig");
+    let mut config = outbox_relay::config::Config::with_tenants(["migrate"]);
+    config.database_url = url.parse().expect("database url");
+    config.schema = schema.clone();
+    let store = outbox_relay::store::Store::new(&config).expect("store");
+    for _ in 0..2 {
+        outbox_relay::migrate::run(&store, &config)
+            .await
+            .expect("the migrations apply through PgBouncer");
+    }
+    let report = outbox_relay::migrate::check_schema(&store, &config)
+        .await
+        .expect("the check runs through PgBouncer");
+    assert!(report.missing.is_empty(), "{report:?}");
+    assert!(report.trigger);
+    let direct = crate::support::pg_client().await;
+    let recorded: i64 = direct
+        .query_one(
+            &format!("SELECT count(*) FROM \"{schema}\".outbox_relay_migrations"),
+            &[],
+        )
+        .await
+        .expect("the record")
+        .get(0);
+    assert_eq!(recorded, outbox_relay::migrate::MIGRATIONS.len() as i64);
+    let _ = direct
+        .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+        .await;
+}
