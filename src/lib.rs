@@ -23,8 +23,9 @@
 //!    broker outage is no tenant's failure).
 //! 6. [`http`] serves lag, liveness, readiness and [`metrics`]; [`telemetry`]
 //!    writes the logs; [`shutdown`] drains sweeps on SIGTERM; [`migrate`]
-//!    creates and upgrades the table (and checks it at start); [`status`] is the operator's view from the database;
-//!    [`tail`] prints what the relay publishes, as a consumer sees it.
+//!    creates and upgrades the table (and checks it at start); [`status`] is
+//!    the operator's view from the database; [`tail`] prints what the relay
+//!    publishes, as a consumer sees it.
 #![forbid(unsafe_code)]
 
 pub mod backoff;
