@@ -15,3 +15,4 @@ mod rows;
 mod support;
 mod tls;
 mod values;
+mod wakeup;
