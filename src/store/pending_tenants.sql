@@ -13,8 +13,10 @@
 --
 -- The same statement names the relays LISTENing for this table's
 -- notifications (wakeup = notify): the application_name of each one's LISTEN
--- connection, `outbox-relay:<channel hash>:<instance id>`, matched by $1.
--- Every role may read other sessions' application_name. These rows have no
+-- connection, `outbox-relay:<channel hash>:<instance id>`, matched by $1, in
+-- this database (notifications do not cross databases). Every role may read
+-- other sessions' application_name (pg_stat_activity's own function, read
+-- directly: the view joins pg_database by a scan). These rows have no
 -- tenant_id (which the table never has NULL). One statement per poll either way.
 WITH RECURSIVE pending(tenant_id, id, occurred_at) AS (
     (SELECT tenant_id, id, occurred_at FROM {table}
@@ -36,6 +38,7 @@ SELECT tenant_id,
        NULL::text AS listener
 FROM pending
 UNION ALL
-SELECT NULL, NULL, NULL, application_name
-FROM pg_stat_activity
-WHERE datname = current_database() AND application_name LIKE $1
+SELECT NULL, NULL, NULL, session.application_name
+FROM pg_stat_get_activity(NULL) session
+WHERE session.application_name LIKE $1
+  AND session.datid = (SELECT datid FROM pg_stat_get_activity(pg_backend_pid()))
