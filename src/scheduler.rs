@@ -17,9 +17,9 @@
 //! `wakeup`) readies its idle tenant at once; one that arrives while the
 //! tenant is being swept asks for one more sweep when that one ends, however
 //! many arrive (rows committed after the sweep read its batch). With several
-//! replicas, only the tenant's owner among them acts on it. At most `concurrency` sweeps
-//! run at once; none starts while the broker is down or the last poll found
-//! the database unreachable. Before its first successful poll the scheduler
+//! replicas, only the tenant's owner among them acts on it. At most
+//! `concurrency` sweeps run at once; none starts while the broker is down or
+//! the last poll found the database unreachable. Before its first successful poll the scheduler
 //! checks the table's `payload` column; an unfit one stops all relaying until
 //! it is fixed.
 

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use outbox_relay::config::Wakeup;
 use outbox_relay::migrate::{fnv1a, wakeup_channel};
 
+use crate::pgbouncer::{TRANSACTION_PORT, through_pgbouncer};
 use crate::support::{
     Broker, Outbox, RelayHandle, check_history, config, eventually, metric, pg_client, start_relay,
 };
@@ -210,6 +211,35 @@ async fn a_writer_that_switches_notifications_off_is_carried_by_the_poll() {
         "no notification was sent"
     );
     relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_transaction_pooling_a_direct_listen_connection_wakes_the_relay() {
+    let bouncer = through_pgbouncer(TRANSACTION_PORT, "transaction").await;
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let mut config = config(&outbox, &broker, &["acme"]);
+    config.poll_ms = NO_POLL_MS;
+    config.database_url = bouncer.parse().expect("the PgBouncer url");
+    // listen_database_url stays direct (support::config sets it so).
+    let relay = start_relay(config).await;
+    until_listening(&relay).await;
+    let mut committed = Vec::new();
+    for n in 1..=2 {
+        committed.push(outbox.insert("acme", "k", "s", Some("{}"), None).await);
+        eventually(
+            "a row arrives by notification, the sweeps going through PgBouncer",
+            Duration::from_secs(10),
+            || async { broker.count() >= n },
+        )
+        .await;
+    }
+    assert!(metric_of(&relay, "outbox_wakeups_total").await >= 1.0);
+    relay.stop().await;
+    let ids: Vec<i64> = broker.received().iter().map(|r| r.id).collect();
+    assert_eq!(ids, committed);
     broker.delete().await;
     outbox.drop_schema().await;
 }
