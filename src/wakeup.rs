@@ -226,7 +226,7 @@ pub async fn run(config: Arc<Config>, wakeups: Arc<Wakeups>, metrics: Metrics, s
             tracing::warn!(
                 %error,
                 url = %config.listen_database_url,
-                "wake-up connection lost; new rows wait for the poll (poll_ms) until it is back"
+                "wake-up connection down; new rows wait for the poll (poll_ms) until it is back"
             );
         }
         let delay = backoff.delay(outage.failures);
