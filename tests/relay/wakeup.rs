@@ -57,6 +57,19 @@ async fn until_listening(relay: &RelayHandle) {
     .await;
 }
 
+/// Waits for the gauge to say the LISTEN connection is down, looking more
+/// often than `eventually` does: the relay reconnects within about 100 ms.
+async fn until_down(relay: &RelayHandle) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while wakeup_connected(relay).await {
+        assert!(
+            Instant::now() < deadline,
+            "the gauge never said the LISTEN connection was down"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_committed_row_arrives_long_before_the_poll() {
     let outbox = Outbox::create().await;
@@ -90,7 +103,9 @@ async fn a_committed_row_arrives_long_before_the_poll() {
     .await;
     eprintln!("commit to consumer by notification: {took:?}");
 
-    assert!(metric_of(&relay, "outbox_wakeups_total").await >= 2.0);
+    // The third row came by notification (the poll after LISTEN was over
+    // before it was written); the second may have met that poll.
+    assert!(metric_of(&relay, "outbox_wakeups_total").await >= 1.0);
     relay.stop().await;
     let ids: Vec<i64> = broker.received().iter().map(|r| r.id).collect();
     assert_eq!(ids, [first, second, third], "each once, in order");
@@ -126,12 +141,7 @@ async fn a_terminated_listen_backend_reconnects_and_loses_nothing() {
                 .await
                 .expect("terminate");
             assert_eq!(terminated.get::<_, i64>(0), 1);
-            eventually(
-                "the gauge says the LISTEN connection is down",
-                Duration::from_secs(10),
-                || async { !wakeup_connected(&relay).await },
-            )
-            .await;
+            until_down(&relay).await;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
