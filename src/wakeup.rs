@@ -13,10 +13,12 @@
 //! committed meanwhile notified no one). It does not touch readiness.
 //!
 //! With several replicas, each LISTEN connection is named
-//! `outbox-relay:<channel hash>:<instance id>`; the poll reads those names
-//! back (see `store/pending_tenants.sql`), and a notified tenant is swept at
-//! once only by its owner among them (rendezvous hashing), so the other
-//! replicas' claims are not spent on it.
+//! `outbox-relay:<channel hash>:<tenants hash>:<instance id>`; the poll reads
+//! back the names of the replicas of the same table and the same `tenants`
+//! (see `store/pending_tenants.sql`), and a notified tenant is swept at once
+//! only by its owner among them (rendezvous hashing), so the other replicas'
+//! claims are not spent on it. A relay configured for other tenants is no
+//! member: it could own a tenant it does not relay.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -49,8 +51,8 @@ pub struct Wakeups {
     signal: tokio::sync::Notify,
     /// The application_name of this relay's LISTEN connection.
     application_name: String,
-    /// What every replica's LISTEN connection on this channel is named
-    /// before its instance id.
+    /// What the LISTEN connection of every replica of this table and these
+    /// tenants is named before its instance id.
     members_prefix: String,
     /// This relay's instance id, random per process (16 hex digits).
     instance: String,
@@ -74,7 +76,11 @@ pub struct Woken {
 impl Wakeups {
     pub fn new(config: &Config) -> Wakeups {
         let channel = wakeup_channel(&config.schema, &config.table);
-        let members_prefix = format!("outbox-relay:{:016x}:", fnv1a(channel.as_bytes()));
+        let members_prefix = format!(
+            "outbox-relay:{:016x}:{:08x}:",
+            fnv1a(channel.as_bytes()),
+            tenants_hash(&config.tenants)
+        );
         let instance = format!("{:016x}", random_u64());
         Wakeups {
             index: config
@@ -171,6 +177,14 @@ pub fn owner<'a>(tenant: &str, members: &'a [String]) -> Option<&'a String> {
         key.extend_from_slice(tenant.as_bytes());
         mix(fnv1a(&key))
     })
+}
+
+/// 32 bits that tell one set of tenants from another, in any order.
+fn tenants_hash(tenants: &[String]) -> u32 {
+    let mut sorted: Vec<&str> = tenants.iter().map(String::as_str).collect();
+    sorted.sort_unstable();
+    let hash = mix(fnv1a(sorted.join("\0").as_bytes()));
+    u32::try_from(hash >> 32).unwrap_or_default()
 }
 
 /// A finaliser (splitmix64's) that spreads FNV-1a's close values.
@@ -387,6 +401,17 @@ mod tests {
             other.member_of(&w.application_name),
             None,
             "another table's listeners are not members"
+        );
+        assert_eq!(
+            wakeups(&["a", "b"]).member_of(&w.application_name),
+            None,
+            "nor are relays of other tenants"
+        );
+        assert!(
+            wakeups(&["b", "a"])
+                .member_of(&wakeups(&["a", "b"]).application_name)
+                .is_some(),
+            "the same tenants in another order are the same set"
         );
         assert_ne!(w.instance, wakeups(&["a"]).instance, "random per instance");
     }

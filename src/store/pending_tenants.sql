@@ -13,11 +13,12 @@
 --
 -- The same statement names the relays LISTENing for this table's
 -- notifications (wakeup = notify): the application_name of each one's LISTEN
--- connection, `outbox-relay:<channel hash>:<instance id>`, matched by $1, in
--- this database (notifications do not cross databases). Every role may read
--- other sessions' application_name (pg_stat_activity's own function, read
--- directly: the view joins pg_database by a scan). These rows have no
--- tenant_id (which the table never has NULL). One statement per poll either way.
+-- connection, `outbox-relay:<channel hash>:<tenants hash>:<instance id>`,
+-- matched by $1, in this database (notifications do not cross databases).
+-- Every role may read other sessions' application_name (pg_stat_activity's
+-- own function, read directly: the view joins pg_database by a scan). These
+-- rows have no tenant_id (which the table never has NULL). One statement per
+-- poll either way.
 WITH RECURSIVE pending(tenant_id, id, occurred_at) AS (
     (SELECT tenant_id, id, occurred_at FROM {table}
      WHERE published_at IS NULL
