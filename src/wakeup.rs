@@ -18,7 +18,9 @@
 //! (see `store/pending_tenants.sql`), and a notified tenant is swept at once
 //! only by its owner among them (rendezvous hashing), so the other replicas'
 //! claims are not spent on it. A relay configured for other tenants is no
-//! member: it could own a tenant it does not relay.
+//! member: it could own a tenant it does not relay. A relay that starts
+//! LISTENing notifies the channel with an empty payload ("poll now"), so the
+//! others see it at once.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -293,7 +295,10 @@ async fn listen(
     }
 }
 
-/// Sends LISTEN and drives the connection until the server has answered it.
+/// Sends LISTEN, and a notification with an empty payload that has every
+/// relay on the channel poll at once, so each sees this relay's connection
+/// among the members now rather than at its next poll; drives the connection
+/// until the server has answered both.
 async fn start_listening<S, T>(
     client: &Client,
     connection: &mut Connection<S, T>,
@@ -304,7 +309,8 @@ where
     S: AsyncRead + AsyncWrite + Unpin,
     T: AsyncRead + AsyncWrite + Unpin,
 {
-    let statement = format!("LISTEN {}", quote_ident(channel));
+    let channel = quote_ident(channel);
+    let statement = format!("LISTEN {channel}; NOTIFY {channel}, ''");
     let answered = client.batch_execute(&statement);
     tokio::pin!(answered);
     loop {

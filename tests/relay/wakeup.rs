@@ -264,14 +264,16 @@ async fn skipped_claims_with(replicas: usize) -> (f64, f64) {
     let mut relays = Vec::new();
     for _ in 0..replicas {
         let mut config = config(&outbox, &broker, &names);
-        config.poll_ms = 500;
+        // No poll during the test: every sweep is a notification's, and
+        // each relay learns of the others when they join (their '').
+        config.poll_ms = NO_POLL_MS;
         relays.push(start_relay(config).await);
     }
     for relay in &relays {
         until_listening(relay).await;
     }
     eventually(
-        "every replica knows the others' LISTEN connections",
+        "every replica's LISTEN connection is there",
         Duration::from_secs(10),
         || async { listener_pids(&outbox).await.len() == replicas },
     )
@@ -318,7 +320,7 @@ async fn replicas_leave_a_notified_tenant_to_its_owner() {
     );
     assert_eq!(published_three, 300.0);
     assert!(
-        three <= published_three / 10.0,
+        three <= published_three / 20.0,
         "3 replicas skipped {three} claims for {published_three} rows"
     );
 }
