@@ -63,6 +63,10 @@ keys! {
     /// PostgreSQL URL or key=value string [env: OUTBOX_DATABASE_URL, DATABASE_URL]
     database_url: DatabaseTarget ["URL"] = default_target::<DatabaseTarget>(DEFAULT_DATABASE_URL), parsed(),
         env "DATABASE_URL";
+    /// notify (LISTEN for new rows, the poll as the safety net) or poll
+    wakeup: Wakeup ["MODE"] = Wakeup::Notify, Parse(Wakeup::parse);
+    /// PostgreSQL URL of the LISTEN connection (direct, not through PgBouncer in transaction mode; default: database_url)
+    listen_database_url: DatabaseTarget ["URL"] = database_url.clone(), parsed();
     /// Database connections (> concurrency)
     pool_size: usize ["N"] = concurrency + 2, int(1, 10_000),
         check |n: &usize| above_concurrency(*n, concurrency);
@@ -202,6 +206,33 @@ impl Config {
         .load()
         .map(|loaded| loaded.config)
         .unwrap_or_else(|e| panic!("invalid test configuration: {e}"))
+    }
+}
+
+/// How the relay learns of new rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wakeup {
+    /// LISTEN on the trigger's channel and sweep a notified tenant at once;
+    /// the poll still finds whatever no notification announced.
+    Notify,
+    /// The poll alone: no LISTEN connection.
+    Poll,
+}
+
+impl Wakeup {
+    fn as_str(self) -> &'static str {
+        match self {
+            Wakeup::Notify => "notify",
+            Wakeup::Poll => "poll",
+        }
+    }
+
+    fn parse(text: &str) -> Result<Wakeup, String> {
+        match text {
+            "notify" => Ok(Wakeup::Notify),
+            "poll" => Ok(Wakeup::Poll),
+            _ => Err("must be notify or poll".into()),
+        }
     }
 }
 
@@ -1061,6 +1092,93 @@ mod tests {
             Some(&b"two words"[..])
         );
         assert_eq!(c.database_url.config.get_dbname(), Some("x"));
+    }
+
+    #[test]
+    fn wakeup_is_notify_or_poll() {
+        let base = ("OUTBOX_TENANTS", "a");
+        let c = load(None, &[base], &[]).unwrap().config;
+        assert_eq!(c.wakeup, Wakeup::Notify, "notify by default");
+        let c = load(None, &[base, ("OUTBOX_WAKEUP", "poll")], &[])
+            .unwrap()
+            .config;
+        assert_eq!(c.wakeup, Wakeup::Poll);
+        let e = error(None, &[base, ("OUTBOX_WAKEUP", "listen")]);
+        assert!(
+            e.contains("wakeup") && e.contains("OUTBOX_WAKEUP") && e.contains("notify or poll"),
+            "{e}"
+        );
+        let e = error(Some("tenants = [\"a\"]\nwakeup = \"Notify\""), &[]);
+        assert!(e.contains("wakeup") && e.contains("config file"), "{e}");
+    }
+
+    #[test]
+    fn listen_database_url_defaults_to_database_url_and_is_redacted() {
+        let loaded = load(
+            None,
+            &[
+                ("OUTBOX_TENANTS", "a"),
+                ("DATABASE_URL", "postgres://app:pa55@bouncer:6432/app"),
+            ],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            loaded.config.listen_database_url.to_string(),
+            loaded.config.database_url.to_string(),
+            "the pool's target unless set"
+        );
+        let loaded = load(
+            None,
+            &[
+                ("OUTBOX_TENANTS", "a"),
+                ("DATABASE_URL", "postgres://app:pa55@bouncer:6432/app"),
+                (
+                    "OUTBOX_LISTEN_DATABASE_URL",
+                    "postgres://app:s3cret@db:5432/app?sslmode=disable",
+                ),
+            ],
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            loaded.config.listen_database_url.config.get_hosts(),
+            [tokio_postgres::config::Host::Tcp("db".into())]
+        );
+        let text = loaded.render();
+        assert!(!text.contains("s3cret") && !text.contains("pa55"), "{text}");
+        assert!(
+            text.contains("listen_database_url = \"postgres://app:***@db:5432/app")
+                && text.contains("environment variable OUTBOX_LISTEN_DATABASE_URL"),
+            "{text}"
+        );
+        let e = error(
+            None,
+            &[
+                ("OUTBOX_TENANTS", "a"),
+                ("OUTBOX_LISTEN_DATABASE_URL", "postgres://app:s3cret@/app"),
+            ],
+        );
+        assert!(
+            e.contains("listen_database_url") && !e.contains("s3cret"),
+            "{e}"
+        );
+        // Only the prefixed variable: an unprefixed LISTEN_DATABASE_URL is no one's.
+        let c = load(
+            None,
+            &[
+                ("OUTBOX_TENANTS", "a"),
+                ("LISTEN_DATABASE_URL", "postgres://other@elsewhere/x"),
+            ],
+            &[],
+        )
+        .unwrap()
+        .config;
+        assert_eq!(
+            c.listen_database_url.to_string(),
+            DEFAULT_DATABASE_URL,
+            "only OUTBOX_LISTEN_DATABASE_URL sets it"
+        );
     }
 
     #[test]

@@ -20,7 +20,9 @@
 //!    asks the store which tenants have pending rows (and their lag, kept by
 //!    [`lag`]); each due tenant gets a sweep, at most `concurrency` at once,
 //!    with its own [`backoff`] after a failure of its own (a database or
-//!    broker outage is no tenant's failure).
+//!    broker outage is no tenant's failure). [`wakeup`] LISTENs for the
+//!    outbox trigger's notifications on a connection of its own, so a
+//!    notified tenant is swept at once; the poll stays the safety net.
 //! 6. [`http`] serves lag, liveness, readiness and [`metrics`]; [`telemetry`]
 //!    writes the logs; [`shutdown`] drains sweeps on SIGTERM; [`migrate`]
 //!    creates and upgrades the table (and checks it at start); [`status`] is
@@ -47,12 +49,13 @@ pub mod store;
 pub mod tail;
 pub mod telemetry;
 pub mod template;
+pub mod wakeup;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backoff::Backoff;
-use crate::config::Config;
+use crate::config::{Config, Wakeup};
 use crate::relay::{Relay, SetupError};
 use crate::shutdown::Shutdown;
 
@@ -107,6 +110,14 @@ pub async fn serve(
     });
     let broker = tokio::spawn(relay.publisher.clone().supervise(rest_stop.clone().fired()));
     let connected_gauge = tokio::spawn(mirror_connected(relay.clone()));
+    let wakeup = (relay.config.wakeup == Wakeup::Notify).then(|| {
+        tokio::spawn(wakeup::run(
+            relay.config.clone(),
+            relay.wakeups.clone(),
+            relay.metrics.clone(),
+            scheduler_stop.clone(),
+        ))
+    });
     let scheduler = tokio::spawn({
         let relay = relay.clone();
         async move {
@@ -122,6 +133,9 @@ pub async fn serve(
     tracing::info!("shutdown requested");
     stop_scheduler.fire();
     let _ = scheduler.await;
+    if let Some(wakeup) = wakeup {
+        let _ = wakeup.await;
+    }
     stop_rest.fire();
     let _ = broker.await;
     connected_gauge.abort();

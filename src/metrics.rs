@@ -6,8 +6,8 @@
 use std::time::Duration;
 
 use prometheus::{
-    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
+    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::domain::{FailureReason, Outcome};
@@ -33,6 +33,8 @@ pub struct Metrics {
     amqp_connected: IntGauge,
     database_up: IntGauge,
     max_lag: Gauge,
+    wakeups: IntCounter,
+    wakeup_connected: IntGauge,
 }
 
 impl Metrics {
@@ -112,6 +114,16 @@ impl Metrics {
             "The relay's max_lag_ms, in seconds: the lag budget /healthz, alerts and dashboards compare outbox_lag_seconds with.",
         )
         .expect("valid metric");
+        let wakeups = IntCounter::new(
+            "outbox_wakeups_total",
+            "Notifications that started a sweep (or a follow-up of the running one).",
+        )
+        .expect("valid metric");
+        let wakeup_connected = IntGauge::new(
+            "outbox_wakeup_connected",
+            "Whether the wake-up connection is LISTENing (1) or not (0); always 0 with wakeup = poll.",
+        )
+        .expect("valid metric");
         let build_info = IntGaugeVec::new(
             Opts::new("outbox_build_info", "The relay's version; always 1."),
             &["version"],
@@ -132,6 +144,8 @@ impl Metrics {
             Box::new(amqp_connected.clone()),
             Box::new(database_up.clone()),
             Box::new(max_lag.clone()),
+            Box::new(wakeups.clone()),
+            Box::new(wakeup_connected.clone()),
             Box::new(build_info),
         ] {
             registry
@@ -167,6 +181,8 @@ impl Metrics {
             amqp_connected,
             database_up,
             max_lag,
+            wakeups,
+            wakeup_connected,
         }
     }
 
@@ -237,6 +253,15 @@ impl Metrics {
         self.database_up.set(i64::from(up));
     }
 
+    /// A notification started a sweep (or flagged a follow-up one).
+    pub fn count_wakeup(&self) {
+        self.wakeups.inc();
+    }
+
+    pub fn set_wakeup_connected(&self, listening: bool) {
+        self.wakeup_connected.set(i64::from(listening));
+    }
+
     /// Whether the last poll reached the database (answered, even with an
     /// error).
     pub fn database_is_up(&self) -> bool {
@@ -258,6 +283,8 @@ mod tests {
             "outbox_sweep_duration_seconds_bucket{outcome=\"idle\",le=\"0.001\"} 0",
             "outbox_delivery_delay_seconds_count 0",
             "outbox_lag_seconds{tenant=\"a\"} 0",
+            "outbox_wakeups_total 0",
+            "outbox_wakeup_connected 0",
             "outbox_tenant_backoff_seconds{tenant=\"a\"} 0",
             "outbox_amqp_connected 0",
             "outbox_database_up 0",

@@ -147,12 +147,15 @@ pub fn wakeup_channel(schema: &str, table: &str) -> String {
     if readable.len() <= 63 {
         return readable;
     }
-    let hash = format!("{schema}.{table}")
-        .bytes()
-        .fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
-            (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
-        });
+    let hash = fnv1a(format!("{schema}.{table}").as_bytes());
     format!("outbox.{hash:016x}")
+}
+
+/// The 64-bit FNV-1a hash: the same on every replica and every build.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+        (hash ^ u64::from(*byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
 }
 
 /// A migration transaction's bounds, its quiet (the "already exists,

@@ -15,6 +15,7 @@ use crate::lag::LagTracker;
 use crate::metrics::Metrics;
 use crate::publisher::{Progress, PublishError, Publisher};
 use crate::store::{Claim, Store, StoreError};
+use crate::wakeup::Wakeups;
 
 /// How one sweep of one tenant ended.
 #[derive(Debug)]
@@ -98,6 +99,8 @@ pub struct Relay {
     /// Since when each tenant's oldest row has waited, as the poll saw it;
     /// `/healthz` reads it (see `lag`).
     pub lag: LagTracker,
+    /// Notifications waiting for the scheduler (see `wakeup`).
+    pub wakeups: Arc<Wakeups>,
     /// Milliseconds since `started` at the scheduler's last turn; read by `/livez`.
     heartbeat_ms: AtomicU64,
     started: Instant,
@@ -109,6 +112,7 @@ impl Relay {
         Relay {
             budget: ByteBudget::new(config.max_bytes_in_flight),
             budget_share: config.max_bytes_in_flight / config.concurrency,
+            wakeups: Arc::new(Wakeups::new(&config)),
             config,
             store,
             publisher,

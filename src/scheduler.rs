@@ -2,7 +2,8 @@
 //! tenant's next turn:
 //!
 //! - `published` (a full batch): at once, behind the other ready tenants;
-//! - `idle`, `skipped`: when the poll next finds rows pending for it;
+//! - `idle`, `skipped`: when the poll next finds rows pending for it, or a
+//!   notification names it (`wakeup`);
 //! - `failed` by the tenant's own doing (a refused row, a statement the
 //!   server refused): after its own back-off, while every other tenant goes on;
 //! - `failed` by an outage (the database unreachable, the broker connection
@@ -12,9 +13,13 @@
 //!
 //! One poll statement per `poll_ms` finds the tenants with pending rows (and
 //! their lag, the one source of the lag gauge; see `lag`), so an idle relay
-//! costs the same whatever the number of tenants. At most `concurrency` sweeps
-//! run at once; none starts while the broker is down or the last poll found
-//! the database unreachable. Before its first successful poll the scheduler
+//! costs the same whatever the number of tenants. A notification (see
+//! `wakeup`) readies its idle tenant at once; one that arrives while the
+//! tenant is being swept asks for one more sweep when that one ends, however
+//! many arrive (rows committed after the sweep read its batch). With several
+//! replicas, only the tenant's owner among them acts on it. At most
+//! `concurrency` sweeps run at once; none starts while the broker is down or
+//! the last poll found the database unreachable. Before its first successful poll the scheduler
 //! checks the table's `payload` column; an unfit one stops all relaying until
 //! it is fixed.
 
@@ -30,7 +35,7 @@ use crate::backoff::Backoff;
 use crate::domain::Outcome;
 use crate::relay::{Relay, SweepFailure, SweepOutcome};
 use crate::shutdown::Shutdown;
-use crate::store::{PendingTenant, StoreError};
+use crate::store::{self, PendingTenant, StoreError};
 
 /// Where a tenant is in the schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +57,8 @@ pub struct Schedule {
     names: Vec<Arc<str>>,
     states: Vec<State>,
     failures: Vec<u32>,
+    /// Notified while running: swept once more when the running sweep ends.
+    follow_up: Vec<bool>,
     ready: VecDeque<usize>,
     index: HashMap<Arc<str>, usize>,
     backoff: Backoff,
@@ -68,6 +75,7 @@ impl Schedule {
         Schedule {
             states: vec![State::Idle; names.len()],
             failures: vec![0; names.len()],
+            follow_up: vec![false; names.len()],
             ready: VecDeque::new(),
             names,
             index,
@@ -99,6 +107,22 @@ impl Schedule {
         }
     }
 
+    /// A notification named `tenant`: an idle one is ready at once; a
+    /// running one is swept once more when its sweep ends, whatever its
+    /// outcome; a ready or backing-off one stays as it is (a back-off
+    /// stands). Returns whether it started or flagged a sweep.
+    pub fn notified(&mut self, tenant: usize) -> bool {
+        match self.states[tenant] {
+            State::Idle => {
+                self.states[tenant] = State::Ready;
+                self.ready.push_back(tenant);
+                true
+            }
+            State::Running => !std::mem::replace(&mut self.follow_up[tenant], true),
+            State::Ready | State::Backoff(_) => false,
+        }
+    }
+
     /// Moves tenants whose back-off has passed to the ready queue; returns them.
     pub fn wake(&mut self, now: Instant) -> Vec<usize> {
         let mut woken = Vec::new();
@@ -123,6 +147,7 @@ impl Schedule {
 
     /// Records a sweep's outcome. Returns the back-off now in force (zero if none).
     pub fn finished(&mut self, tenant: usize, outcome: Outcome, now: Instant) -> Duration {
+        let follow_up = std::mem::take(&mut self.follow_up[tenant]);
         match outcome {
             Outcome::Published => {
                 self.failures[tenant] = 0;
@@ -135,6 +160,9 @@ impl Schedule {
                     self.failures[tenant] = 0;
                 }
                 self.states[tenant] = State::Idle;
+                if follow_up {
+                    self.notified(tenant);
+                }
                 Duration::ZERO
             }
             Outcome::Failed => {
@@ -151,6 +179,7 @@ impl Schedule {
     /// back-off stay as they were; it waits for the next poll that finds its
     /// rows, and is ready at once then.
     pub fn interrupted(&mut self, tenant: usize) {
+        self.follow_up[tenant] = false;
         self.states[tenant] = State::Idle;
     }
 
@@ -193,7 +222,7 @@ type Poll = Pin<Box<dyn Future<Output = Result<Polled, StoreError>> + Send>>;
 
 /// What a successful poll found.
 struct Polled {
-    pending: Vec<PendingTenant>,
+    found: store::Polled,
     payload_checked: bool,
 }
 
@@ -202,6 +231,7 @@ struct Polled {
 pub async fn run(relay: Arc<Relay>, shutdown: Shutdown) {
     let mut scheduler = Scheduler::new(relay);
     let mut broker = scheduler.relay.publisher.watch_connected();
+    let wakeups = scheduler.relay.wakeups.clone();
     let stop = shutdown.fired();
     tokio::pin!(stop);
     loop {
@@ -215,6 +245,7 @@ pub async fn run(relay: Arc<Relay>, shutdown: Shutdown) {
                 scheduler.polled(result);
             }
             _ = broker.changed() => {}
+            () = wakeups.arrived() => scheduler.woken(Instant::now()),
             () = tokio::time::sleep_until(wake_at) => {}
         }
     }
@@ -238,6 +269,9 @@ struct Scheduler {
     poll_error: Option<String>,
     /// Unconfigured tenants already warned about.
     unconfigured: HashSet<String>,
+    /// The instance ids of the relays LISTENing for this table's
+    /// notifications, as the last poll found them.
+    members: Vec<String>,
 }
 
 impl Scheduler {
@@ -258,6 +292,7 @@ impl Scheduler {
             payload_checked: false,
             poll_error: None,
             unconfigured: HashSet::new(),
+            members: Vec::new(),
         }
     }
 
@@ -270,9 +305,10 @@ impl Scheduler {
             let check = !self.payload_checked;
             self.poll = Some(Box::pin(async move {
                 let payload_checked = !check || relay.store.check_payload_type().await?;
-                let pending = relay.store.pending_tenants().await?;
+                let listeners = relay.wakeups.members_pattern();
+                let found = relay.store.pending_tenants(&listeners).await?;
                 Ok(Polled {
-                    pending,
+                    found,
                     payload_checked,
                 })
             }));
@@ -301,6 +337,24 @@ impl Scheduler {
             .flatten()
             .min()
             .unwrap_or(now + poll_interval)
+    }
+
+    /// Notifications arrived: each notified tenant this relay owns is swept
+    /// at once (or once more after its running sweep); a poll asked for (the
+    /// LISTEN connection is back, or a name too long to notify) is due now.
+    fn woken(&mut self, now: Instant) {
+        let woken = self.relay.wakeups.take();
+        if woken.poll {
+            self.next_poll = self.next_poll.min(now);
+        }
+        for tenant in woken.tenants {
+            let name = self.schedule.name(tenant);
+            if self.relay.wakeups.sweeps_at_once(name, &self.members)
+                && self.schedule.notified(tenant)
+            {
+                self.relay.metrics.count_wakeup();
+            }
+        }
     }
 
     /// A sweep's task ended: log it, and schedule its tenant's next turn.
@@ -334,7 +388,7 @@ impl Scheduler {
     /// what it is.
     fn polled(&mut self, result: Result<Polled, StoreError>) {
         let Polled {
-            pending,
+            found: store::Polled { pending, listeners },
             payload_checked,
         } = match result {
             Ok(polled) => polled,
@@ -364,6 +418,11 @@ impl Scheduler {
             tracing::info!("the poll succeeds again");
         }
         self.payload_checked |= payload_checked;
+        self.members = listeners
+            .iter()
+            .filter_map(|name| self.relay.wakeups.member_of(name))
+            .map(str::to_string)
+            .collect();
         let now = Instant::now();
         let oldest: HashMap<&str, &PendingTenant> =
             pending.iter().map(|p| (p.tenant.as_str(), p)).collect();
@@ -635,6 +694,65 @@ mod tests {
             Duration::from_millis(400),
             "its own refusals still count: neither grown nor reset by the outage"
         );
+    }
+
+    #[test]
+    fn a_notification_readies_an_idle_tenant_at_once() {
+        let mut s = tenants(3);
+        assert!(s.notified(1));
+        assert!(!s.notified(1), "already ready: queued once");
+        assert_eq!(s.next_ready(), Some(1));
+        assert_eq!(s.next_ready(), None);
+    }
+
+    #[test]
+    fn notifications_during_a_sweep_ask_for_one_follow_up_whatever_its_outcome() {
+        for outcome in [Outcome::Idle, Outcome::Skipped, Outcome::Published] {
+            let mut s = tenants(1);
+            s.notified(0);
+            s.next_ready();
+            assert!(s.notified(0), "flagged");
+            assert!(!s.notified(0), "coalesced into the one follow-up");
+            s.finished(0, outcome, Instant::now());
+            assert_eq!(s.next_ready(), Some(0), "{outcome:?}: swept once more");
+            assert_eq!(s.next_ready(), None, "{outcome:?}: once");
+            s.finished(0, Outcome::Idle, Instant::now());
+            assert!(!s.has_ready(), "{outcome:?}: the flag was used up");
+        }
+    }
+
+    #[test]
+    fn a_back_off_stands_against_notifications() {
+        let mut s = tenants(1);
+        let now = Instant::now();
+        s.notified(0);
+        s.next_ready();
+        s.notified(0);
+        s.finished(0, Outcome::Failed, now);
+        assert!(
+            !s.has_ready(),
+            "the failure's back-off wins over the follow-up"
+        );
+        assert!(!s.notified(0));
+        assert!(!s.has_ready());
+        s.wake(now + Duration::from_secs(1));
+        assert_eq!(s.next_ready(), Some(0));
+        s.interrupted(0);
+        assert!(!s.has_ready());
+    }
+
+    #[test]
+    fn an_outage_drops_the_follow_up() {
+        let mut s = tenants(1);
+        s.notified(0);
+        s.next_ready();
+        s.notified(0);
+        s.interrupted(0);
+        assert!(!s.has_ready(), "an outage waits for the poll");
+        s.pending(["t0"], 0);
+        assert_eq!(s.next_ready(), Some(0));
+        s.finished(0, Outcome::Idle, Instant::now());
+        assert!(!s.has_ready(), "no stale follow-up");
     }
 
     #[test]

@@ -143,7 +143,7 @@ fn describe_payload_column(table: &str, found: Option<&str>) -> String {
 
 /// The server's message and SQLSTATE when there is one, else the driver's
 /// error and its cause ("db error" alone tells an operator nothing).
-fn describe(error: &tokio_postgres::Error) -> String {
+pub(crate) fn describe(error: &tokio_postgres::Error) -> String {
     if let Some(db) = error.as_db_error() {
         return format!(
             "{}: {} (SQLSTATE {})",
@@ -184,6 +184,16 @@ pub struct PendingTenant {
     /// The age of that row by the database's clock, clamped to 0 … 10,000
     /// years (an infinite or future `occurred_at` gives 0 or the cap).
     pub lag_ms: i64,
+}
+
+/// What one poll found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Polled {
+    /// The tenants with pending rows, in the order of their names.
+    pub pending: Vec<PendingTenant>,
+    /// The application_name of each session LISTENing for wake-ups (see
+    /// `wakeup`).
+    pub listeners: Vec<String>,
 }
 
 /// A tenant as `outbox-relay status` shows it.
@@ -325,7 +335,9 @@ pub fn quote_ident(name: &str) -> String {
 /// The connector the pool hands tokio-postgres: the target's TLS client
 /// configuration, or, for a plain target (`sslmode=disable`, never asked to
 /// use it), one that trusts nothing.
-fn tls_connector(tls: Option<&rustls::ClientConfig>) -> tokio_postgres_rustls::MakeRustlsConnect {
+pub(crate) fn tls_connector(
+    tls: Option<&rustls::ClientConfig>,
+) -> tokio_postgres_rustls::MakeRustlsConnect {
     let config = match tls {
         Some(config) => config.clone(),
         None => rustls::ClientConfig::builder()
@@ -483,22 +495,30 @@ impl Store {
     }
 
     /// Every tenant with pending rows (configured or not), its lowest pending
-    /// id and its lag, one statement whose cost does not grow with idle
-    /// tenants.
-    pub async fn pending_tenants(&self) -> Result<Vec<PendingTenant>, StoreError> {
-        self.query_all(
-            "the poll query",
-            &self.statements.pending_tenants,
-            &[],
-            |row| {
-                Ok(PendingTenant {
-                    tenant: row.try_get(0)?,
-                    oldest_id: row.try_get(1)?,
-                    lag_ms: row.try_get(2)?,
-                })
-            },
-        )
-        .await
+    /// id and its lag, and the application_name of every session of this
+    /// database LIKE `listeners`: one statement whose cost does not grow with
+    /// idle tenants.
+    pub async fn pending_tenants(&self, listeners: &str) -> Result<Polled, StoreError> {
+        let rows = self
+            .query_all(
+                "the poll query",
+                &self.statements.pending_tenants,
+                &[(&listeners, Type::TEXT)],
+                |row| match row.try_get::<_, Option<String>>(0)? {
+                    Some(tenant) => Ok(Ok(PendingTenant {
+                        tenant,
+                        oldest_id: row.try_get(1)?,
+                        lag_ms: row.try_get(2)?,
+                    })),
+                    None => Ok(Err(row.try_get::<_, String>(3)?)),
+                },
+            )
+            .await?;
+        let (pending, listeners): (Vec<_>, Vec<_>) = rows.into_iter().partition(Result::is_ok);
+        Ok(Polled {
+            pending: pending.into_iter().filter_map(Result::ok).collect(),
+            listeners: listeners.into_iter().filter_map(Result::err).collect(),
+        })
     }
 
     /// Checks that the `payload` column is of a type the relay sends as the

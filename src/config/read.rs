@@ -7,8 +7,8 @@ use std::net::SocketAddr;
 
 use figment::value::Value;
 
-use super::LogFormat;
 use super::target::{AmqpTarget, DatabaseTarget};
+use super::{LogFormat, Wakeup};
 use crate::template::RoutingKey;
 
 /// Why a value was refused: what to show of it and what is allowed.
@@ -270,6 +270,12 @@ macro_rules! rendered_as_text {
 rendered_as_text!(String, SocketAddr, RoutingKey, DatabaseTarget, AmqpTarget);
 
 impl Render for LogFormat {
+    fn render(&self) -> String {
+        quote(self.as_str())
+    }
+}
+
+impl Render for Wakeup {
     fn render(&self) -> String {
         quote(self.as_str())
     }

@@ -10,6 +10,15 @@
 -- `-infinity` is older than any finite row, `infinity` and the future are 0
 -- (and so is a NULL, which the contract's table does not allow).
 -- The same expression is in tenant_lag.sql and tenant_status.sql.
+--
+-- The same statement names the relays LISTENing for this table's
+-- notifications (wakeup = notify): the application_name of each one's LISTEN
+-- connection, `outbox-relay:<channel hash>:<tenants hash>:<instance id>`,
+-- matched by $1, in this database (notifications do not cross databases).
+-- Every role may read other sessions' application_name (pg_stat_activity's
+-- own function, read directly: the view joins pg_database by a scan). These
+-- rows have no tenant_id (which the table never has NULL). One statement per
+-- poll either way.
 WITH RECURSIVE pending(tenant_id, id, occurred_at) AS (
     (SELECT tenant_id, id, occurred_at FROM {table}
      WHERE published_at IS NULL
@@ -26,5 +35,11 @@ WITH RECURSIVE pending(tenant_id, id, occurred_at) AS (
 SELECT tenant_id,
        id,
        (GREATEST(LEAST(COALESCE(date_part('epoch', clock_timestamp()) - date_part('epoch', occurred_at), 0),
-                       315576000000), 0) * 1000)::bigint AS lag_ms
+                       315576000000), 0) * 1000)::bigint AS lag_ms,
+       NULL::text AS listener
 FROM pending
+UNION ALL
+SELECT NULL, NULL, NULL, session.application_name
+FROM pg_stat_get_activity(NULL) session
+WHERE session.application_name LIKE $1
+  AND session.datid = (SELECT datid FROM pg_stat_get_activity(pg_backend_pid()))

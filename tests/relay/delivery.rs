@@ -473,7 +473,7 @@ async fn the_relays_reads_use_the_partial_index_whatever_the_costs() {
         for (n, sql) in statements.iter().enumerate() {
             let params = match n {
                 0 => "('bulk', 256, 16777216, 67108864, 1048576)",
-                1 => "",
+                1 => "('outbox-relay:0:%')",
                 _ => "(ARRAY['bulk', 'other'])",
             };
             let plan = plan_of(client, sql, params).await;

@@ -16,3 +16,4 @@ mod rows;
 mod support;
 mod tls;
 mod values;
+mod wakeup;

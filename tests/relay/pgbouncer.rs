@@ -15,7 +15,7 @@ use tokio_postgres::{NoTls, SimpleQueryMessage};
 use crate::support::{Broker, Outbox, check_history, config, start_relay};
 
 /// Port of the instance pooling by transaction.
-const TRANSACTION_PORT: u16 = 6432;
+pub const TRANSACTION_PORT: u16 = 6432;
 /// Port of the instance pooling by session.
 const SESSION_PORT: u16 = 6433;
 
@@ -51,7 +51,7 @@ async fn pool_mode(port: u16) -> Result<(String, String), String> {
 /// The URL of the test database through the PgBouncer pooling by `mode` on
 /// `port`, once it answers with that mode. Under CI a missing PgBouncer fails
 /// the test; locally it is started once (never skipped).
-async fn through_pgbouncer(port: u16, mode: &str) -> String {
+pub async fn through_pgbouncer(port: u16, mode: &str) -> String {
     static STARTED: OnceLock<Result<(), String>> = OnceLock::new();
     let found = match pool_mode(port).await {
         Ok(found) => found,

@@ -524,6 +524,7 @@ pub fn by_tenant(received: &[Received]) -> BTreeMap<String, Vec<i64>> {
 pub fn config(outbox: &Outbox, broker: &Broker, tenants: &[&str]) -> Config {
     let mut config = Config::with_tenants(tenants.iter().copied());
     config.database_url = DATABASE_URL.parse().expect("database url");
+    config.listen_database_url = config.database_url.clone();
     config.amqp_url = AMQP_URL.parse().expect("amqp url");
     config.schema = outbox.schema.clone();
     config.table = outbox.table.clone();

@@ -1,0 +1,464 @@
+//! The wake-up (`wakeup = notify`): a connection of its own, never from the
+//! pool, LISTENs on the channel the outbox table's trigger notifies with the
+//! tenant of each transaction that inserted rows, so the scheduler sweeps that
+//! tenant at once instead of at the next poll.
+//!
+//! A notification is a hint, never the only way a row is found: it can be
+//! lost with its connection, switched off by a writer
+//! (`outbox_relay.notify = off`) or never sent (a table without the trigger).
+//! The poll finds every such row within `poll_ms`. So the connection is
+//! watched, not trusted: keepalives notice a half-open path; a lost
+//! connection sets `outbox_wakeup_connected` to 0, warns once, reconnects
+//! with back-off and, once LISTENing again, asks for a poll at once (rows
+//! committed meanwhile notified no one). It does not touch readiness.
+//!
+//! With several replicas, each LISTEN connection is named
+//! `outbox-relay:<channel hash>:<tenants hash>:<instance id>`; the poll reads
+//! back the names of the replicas of the same table and the same `tenants`
+//! (see `store/pending_tenants.sql`), and a notified tenant is swept at once
+//! only by its owner among them (rendezvous hashing), so the other replicas'
+//! claims are not spent on it. A relay configured for other tenants is no
+//! member: it could own a tenant it does not relay. A relay that starts
+//! LISTENing notifies the channel with an empty payload ("poll now"), so the
+//! others see it at once.
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use futures_util::future::poll_fn;
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio_postgres::{AsyncMessage, Client, Connection};
+
+use crate::backoff::Backoff;
+use crate::config::{Config, DatabaseTarget};
+use crate::metrics::Metrics;
+use crate::migrate::{fnv1a, wakeup_channel};
+use crate::shutdown::Shutdown;
+use crate::store::{CONNECT_TIMEOUT, QUERY_TIMEOUT, describe, quote_ident, tls_connector};
+
+/// The first reconnect comes this soon after a loss (a restarted server or a
+/// terminated backend is usually back at once) ...
+const RECONNECT_FIRST: Duration = Duration::from_millis(100);
+/// ... and later ones at most this far apart.
+const RECONNECT_MAX: Duration = Duration::from_secs(5);
+
+/// The wake-ups waiting for the scheduler: configured tenants by their index
+/// in `tenants`, and whether a poll is asked for. Bounded by the number of
+/// tenants however many notifications arrive: a flood coalesces.
+pub struct Wakeups {
+    index: HashMap<String, usize>,
+    waiting: Mutex<Waiting>,
+    signal: tokio::sync::Notify,
+    /// The application_name of this relay's LISTEN connection.
+    application_name: String,
+    /// What the LISTEN connection of every replica of this table and these
+    /// tenants is named before its instance id.
+    members_prefix: String,
+    /// This relay's instance id, random per process (16 hex digits).
+    instance: String,
+}
+
+#[derive(Default)]
+struct Waiting {
+    tenants: Vec<usize>,
+    queued: Vec<bool>,
+    poll: bool,
+}
+
+/// What the scheduler takes at once: the notified tenants, and whether to
+/// poll now.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Woken {
+    pub tenants: Vec<usize>,
+    pub poll: bool,
+}
+
+impl Wakeups {
+    pub fn new(config: &Config) -> Wakeups {
+        let channel = wakeup_channel(&config.schema, &config.table);
+        let members_prefix = format!(
+            "outbox-relay:{:016x}:{:08x}:",
+            fnv1a(channel.as_bytes()),
+            tenants_hash(&config.tenants)
+        );
+        let instance = format!("{:016x}", random_u64());
+        Wakeups {
+            index: config
+                .tenants
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (t.clone(), i))
+                .collect(),
+            waiting: Mutex::new(Waiting {
+                queued: vec![false; config.tenants.len()],
+                ..Waiting::default()
+            }),
+            signal: tokio::sync::Notify::new(),
+            application_name: format!("{members_prefix}{instance}"),
+            members_prefix,
+            instance,
+        }
+    }
+
+    /// A notification's payload: a configured tenant waits for the
+    /// scheduler; '' (a name too long for a payload) asks for a poll; any
+    /// other tenant is not this relay's.
+    pub fn notified(&self, payload: &str) {
+        if payload.is_empty() {
+            return self.poll_now();
+        }
+        let Some(&tenant) = self.index.get(payload) else {
+            return;
+        };
+        let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+        if !std::mem::replace(&mut waiting.queued[tenant], true) {
+            waiting.tenants.push(tenant);
+        }
+        drop(waiting);
+        self.signal.notify_one();
+    }
+
+    /// Asks the scheduler for a poll now.
+    pub fn poll_now(&self) {
+        self.waiting
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .poll = true;
+        self.signal.notify_one();
+    }
+
+    /// Takes every waiting wake-up.
+    pub fn take(&self) -> Woken {
+        let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+        let tenants = std::mem::take(&mut waiting.tenants);
+        for &tenant in &tenants {
+            waiting.queued[tenant] = false;
+        }
+        Woken {
+            tenants,
+            poll: std::mem::take(&mut waiting.poll),
+        }
+    }
+
+    /// Resolves when there is something to take (at once if something
+    /// arrived since the last wait).
+    pub async fn arrived(&self) {
+        self.signal.notified().await;
+    }
+
+    /// The `LIKE` pattern of the replicas' LISTEN connections' names.
+    pub fn members_pattern(&self) -> String {
+        format!("{}%", self.members_prefix)
+    }
+
+    /// The instance id of a LISTEN connection's name found by the poll.
+    pub fn member_of<'a>(&self, application_name: &'a str) -> Option<&'a str> {
+        application_name.strip_prefix(&self.members_prefix)
+    }
+
+    /// Whether this relay sweeps a notified `tenant` at once: it is the
+    /// tenant's owner among `members` (the replicas LISTENing on this
+    /// channel, as the last poll saw them), or it does not know who else
+    /// listens (alone, or no poll has seen its connection yet). The others
+    /// leave the tenant to the owner, and to the poll.
+    pub fn sweeps_at_once(&self, tenant: &str, members: &[String]) -> bool {
+        !members.contains(&self.instance) || owner(tenant, members) == Some(&self.instance)
+    }
+}
+
+/// The member that owns `tenant`: the highest hash of (tenant, member), so
+/// every replica that sees the same members picks the same owner, and a
+/// member leaving moves only its own tenants.
+pub fn owner<'a>(tenant: &str, members: &'a [String]) -> Option<&'a String> {
+    members.iter().max_by_key(|member| {
+        let mut key = Vec::with_capacity(tenant.len() + member.len() + 1);
+        key.extend_from_slice(member.as_bytes());
+        key.push(0);
+        key.extend_from_slice(tenant.as_bytes());
+        mix(fnv1a(&key))
+    })
+}
+
+/// 32 bits that tell one set of tenants from another, in any order.
+fn tenants_hash(tenants: &[String]) -> u32 {
+    let mut sorted: Vec<&str> = tenants.iter().map(String::as_str).collect();
+    sorted.sort_unstable();
+    let hash = mix(fnv1a(sorted.join("\0").as_bytes()));
+    u32::try_from(hash >> 32).unwrap_or_default()
+}
+
+/// A finaliser (splitmix64's) that spreads FNV-1a's close values.
+fn mix(mut x: u64) -> u64 {
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// A random number (every `RandomState` is freshly keyed).
+fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish()
+}
+
+/// Why the LISTEN connection ended.
+#[derive(Debug, thiserror::Error)]
+enum Lost {
+    #[error("{}", describe(.0))]
+    Database(#[from] tokio_postgres::Error),
+    #[error("the server closed the connection")]
+    Closed,
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+}
+
+/// The LISTEN connection's history, across sessions.
+#[derive(Default)]
+struct Outage {
+    /// Connection attempts failed or sessions lost since it last LISTENed.
+    failures: u32,
+    /// This outage was warned about.
+    warned: bool,
+}
+
+/// Keeps a LISTEN connection open until `stop` fires, reconnecting with
+/// back-off whenever it is lost.
+pub async fn run(config: Arc<Config>, wakeups: Arc<Wakeups>, metrics: Metrics, stop: Shutdown) {
+    let channel = wakeup_channel(&config.schema, &config.table);
+    let target = listen_target(&config.listen_database_url, &wakeups.application_name);
+    let backoff = Backoff::new(RECONNECT_FIRST, RECONNECT_MAX);
+    let mut outage = Outage::default();
+    loop {
+        let session = listen(&target, &channel, &wakeups, &metrics, &mut outage);
+        let error = tokio::select! {
+            Err(error) = session => error,
+            () = stop.clone().fired() => break,
+        };
+        metrics.set_wakeup_connected(false);
+        if !std::mem::replace(&mut outage.warned, true) {
+            tracing::warn!(
+                %error,
+                url = %config.listen_database_url,
+                "wake-up connection down; new rows wait for the poll (poll_ms) until it is back"
+            );
+        }
+        let delay = backoff.delay(outage.failures);
+        outage.failures = outage.failures.saturating_add(1);
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = stop.clone().fired() => break,
+        }
+    }
+    metrics.set_wakeup_connected(false);
+}
+
+/// `listen_database_url` with the LISTEN connection's own name.
+fn listen_target(target: &DatabaseTarget, application_name: &str) -> DatabaseTarget {
+    let mut target = target.clone();
+    target.config.application_name(application_name);
+    target
+}
+
+/// One LISTEN session: connect, LISTEN, ask for a poll, then hand every
+/// notification to `wakeups` until the connection is lost. Ends `outage`
+/// once LISTENing.
+async fn listen(
+    target: &DatabaseTarget,
+    channel: &str,
+    wakeups: &Wakeups,
+    metrics: &Metrics,
+    outage: &mut Outage,
+) -> Result<Infallible, Lost> {
+    let tls = tls_connector(target.tls.as_deref());
+    let (client, mut connection) = within(CONNECT_TIMEOUT, async {
+        Ok(target.config.connect(tls).await?)
+    })
+    .await?;
+    within(
+        QUERY_TIMEOUT,
+        start_listening(&client, &mut connection, channel, wakeups),
+    )
+    .await?;
+    metrics.set_wakeup_connected(true);
+    if std::mem::take(outage).warned {
+        tracing::info!(channel, "wake-up connection LISTENing again");
+    } else {
+        tracing::info!(channel, "wake-up connection LISTENing");
+    }
+    // Rows committed while no one listened notified no one.
+    wakeups.poll_now();
+    loop {
+        next_notification(&mut connection, wakeups).await?;
+    }
+}
+
+/// Sends LISTEN, and a notification with an empty payload that has every
+/// relay on the channel poll at once, so each sees this relay's connection
+/// among the members now rather than at its next poll; drives the connection
+/// until the server has answered both.
+async fn start_listening<S, T>(
+    client: &Client,
+    connection: &mut Connection<S, T>,
+    channel: &str,
+    wakeups: &Wakeups,
+) -> Result<(), Lost>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+    T: AsyncRead + AsyncWrite + Unpin,
+{
+    let channel = quote_ident(channel);
+    let statement = format!("LISTEN {channel}; NOTIFY {channel}, ''");
+    let answered = client.batch_execute(&statement);
+    tokio::pin!(answered);
+    loop {
+        tokio::select! {
+            answered = &mut answered => return Ok(answered?),
+            driven = next_notification(connection, wakeups) => driven?,
+        }
+    }
+}
+
+/// Drives the connection until its next message; a notification goes to
+/// `wakeups`.
+async fn next_notification<S, T>(
+    connection: &mut Connection<S, T>,
+    wakeups: &Wakeups,
+) -> Result<(), Lost>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+    T: AsyncRead + AsyncWrite + Unpin,
+{
+    match poll_fn(|cx| connection.poll_message(cx)).await {
+        Some(Ok(AsyncMessage::Notification(notification))) => {
+            wakeups.notified(notification.payload());
+            Ok(())
+        }
+        Some(Ok(_notice)) => Ok(()),
+        Some(Err(error)) => Err(error.into()),
+        None => Err(Lost::Closed),
+    }
+}
+
+async fn within<T>(
+    limit: Duration,
+    work: impl Future<Output = Result<T, Lost>>,
+) -> Result<T, Lost> {
+    tokio::time::timeout(limit, work)
+        .await
+        .unwrap_or(Err(Lost::Timeout(limit)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wakeups(tenants: &[&str]) -> Wakeups {
+        Wakeups::new(&Config::with_tenants(tenants.iter().copied()))
+    }
+
+    #[test]
+    fn a_flood_of_notifications_coalesces_per_tenant() {
+        let w = wakeups(&["a", "b", "c"]);
+        for _ in 0..1000 {
+            w.notified("c");
+            w.notified("a");
+            w.notified("not-ours");
+        }
+        assert_eq!(
+            w.take(),
+            Woken {
+                tenants: vec![2, 0],
+                poll: false
+            }
+        );
+        assert_eq!(w.take(), Woken::default(), "taken once");
+        w.notified("a");
+        assert_eq!(w.take().tenants, [0], "waits again once taken");
+    }
+
+    #[test]
+    fn an_empty_payload_asks_for_a_poll() {
+        let w = wakeups(&["a"]);
+        w.notified("");
+        assert_eq!(
+            w.take(),
+            Woken {
+                tenants: vec![],
+                poll: true
+            }
+        );
+    }
+
+    #[test]
+    fn the_listen_connection_names_its_channel_and_instance() {
+        let w = wakeups(&["a"]);
+        assert!(w.application_name.len() <= 63, "fits NAMEDATALEN");
+        assert_eq!(w.member_of(&w.application_name), Some(w.instance.as_str()));
+        assert!(w.members_pattern().starts_with("outbox-relay:"));
+        let other = Wakeups::new(&{
+            let mut c = Config::with_tenants(["a"]);
+            c.table = "other".into();
+            c
+        });
+        assert_eq!(
+            other.member_of(&w.application_name),
+            None,
+            "another table's listeners are not members"
+        );
+        assert_eq!(
+            wakeups(&["a", "b"]).member_of(&w.application_name),
+            None,
+            "nor are relays of other tenants"
+        );
+        assert!(
+            wakeups(&["b", "a"])
+                .member_of(&wakeups(&["a", "b"]).application_name)
+                .is_some(),
+            "the same tenants in another order are the same set"
+        );
+        assert_ne!(w.instance, wakeups(&["a"]).instance, "random per instance");
+    }
+
+    #[test]
+    fn one_owner_per_tenant_and_tenants_spread_over_members() {
+        let members: Vec<String> = (0..3).map(|i| format!("{i:016x}")).collect();
+        let mut owned = HashMap::<&String, usize>::new();
+        for t in 0..3000 {
+            let tenant = format!("tenant-{t}");
+            let first = owner(&tenant, &members).unwrap();
+            let mut reversed = members.clone();
+            reversed.reverse();
+            assert_eq!(
+                owner(&tenant, &reversed),
+                Some(first),
+                "order does not matter"
+            );
+            *owned.entry(first).or_default() += 1;
+        }
+        for member in &members {
+            let n = owned[member];
+            assert!((800..1200).contains(&n), "{member} owns {n} of 3000");
+        }
+        assert_eq!(owner("t", &[]), None);
+    }
+
+    #[test]
+    fn a_notified_tenant_is_swept_at_once_by_its_owner_alone() {
+        let replicas = [wakeups(&["a"]), wakeups(&["a"]), wakeups(&["a"])];
+        let members: Vec<String> = replicas.iter().map(|r| r.instance.clone()).collect();
+        for t in 0..50 {
+            let tenant = format!("t{t}");
+            let sweeping = replicas
+                .iter()
+                .filter(|r| r.sweeps_at_once(&tenant, &members))
+                .count();
+            assert_eq!(sweeping, 1, "{tenant}");
+        }
+        // Alone, or before a poll saw its connection, a replica sweeps.
+        assert!(replicas[0].sweeps_at_once("a", &[]));
+        assert!(replicas[0].sweeps_at_once("a", &members[1..]));
+    }
+}

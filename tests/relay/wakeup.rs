@@ -1,0 +1,326 @@
+//! The wake-up (`wakeup = notify`): a committed row reaches the broker long
+//! before the next poll; the LISTEN connection recovers from a terminated
+//! backend with nothing lost; `wakeup = poll` and writers that switch
+//! notifications off are carried by the poll; replicas do not all reach for
+//! a notified tenant.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use outbox_relay::config::Wakeup;
+use outbox_relay::migrate::{fnv1a, wakeup_channel};
+
+use crate::pgbouncer::{TRANSACTION_PORT, through_pgbouncer};
+use crate::support::{
+    Broker, Outbox, RelayHandle, check_history, config, eventually, metric, pg_client, start_relay,
+};
+
+/// A poll interval no test waits for: whatever arrives came by a notification.
+const NO_POLL_MS: u64 = 60_000;
+
+/// The `LIKE` pattern of the LISTEN connections on this outbox's channel.
+fn listeners_of(outbox: &Outbox) -> String {
+    let channel = wakeup_channel(&outbox.schema, &outbox.table);
+    format!("outbox-relay:{:016x}:%", fnv1a(channel.as_bytes()))
+}
+
+/// The backend pids LISTENing for this outbox's notifications.
+async fn listener_pids(outbox: &Outbox) -> Vec<i32> {
+    outbox
+        .client
+        .query(
+            "SELECT pid FROM pg_stat_activity WHERE application_name LIKE $1 ORDER BY pid",
+            &[&listeners_of(outbox)],
+        )
+        .await
+        .expect("pg_stat_activity")
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+async fn metric_of(relay: &RelayHandle, series: &str) -> f64 {
+    let (_, text) = relay.get("/metrics").await;
+    metric(&text, series).unwrap_or_else(|| panic!("{series} is exposed"))
+}
+
+async fn wakeup_connected(relay: &RelayHandle) -> bool {
+    metric_of(relay, "outbox_wakeup_connected").await == 1.0
+}
+
+async fn until_listening(relay: &RelayHandle) {
+    eventually(
+        "the wake-up connection LISTENs",
+        Duration::from_secs(10),
+        || async { wakeup_connected(relay).await },
+    )
+    .await;
+}
+
+/// Waits for the gauge to say the LISTEN connection is down, looking more
+/// often than `eventually` does: the relay reconnects within about 100 ms.
+async fn until_down(relay: &RelayHandle) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while wakeup_connected(relay).await {
+        assert!(
+            Instant::now() < deadline,
+            "the gauge never said the LISTEN connection was down"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_committed_row_arrives_long_before_the_poll() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let first = outbox.insert("acme", "k", "s", Some("{}"), None).await;
+    let mut config = config(&outbox, &broker, &["acme", "globex"]);
+    config.poll_ms = NO_POLL_MS;
+    let relay = start_relay(config).await;
+    until_listening(&relay).await;
+    // The poll that follows the LISTEN has happened: the first row is out.
+    eventually("the first row arrives", Duration::from_secs(10), || async {
+        broker.count() >= 1
+    })
+    .await;
+
+    let committed = Instant::now();
+    let second = outbox.insert("acme", "k", "s", Some("{}"), None).await;
+    eventually(
+        "a row committed after the poll arrives without waiting for the next",
+        Duration::from_secs(10),
+        || async { broker.count() >= 2 },
+    )
+    .await;
+    let took = committed.elapsed();
+    let third = outbox.insert("globex", "k", "s", Some("{}"), None).await;
+    eventually(
+        "another tenant's row arrives too",
+        Duration::from_secs(10),
+        || async { broker.count() >= 3 },
+    )
+    .await;
+    eprintln!("commit to consumer by notification: {took:?}");
+
+    // The third row came by notification (the poll after LISTEN was over
+    // before it was written); the second may have met that poll.
+    assert!(metric_of(&relay, "outbox_wakeups_total").await >= 1.0);
+    relay.stop().await;
+    let ids: Vec<i64> = broker.received().iter().map(|r| r.id).collect();
+    assert_eq!(ids, [first, second, third], "each once, in order");
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_listen_backend_reconnects_and_loses_nothing() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let tenants = ["acme", "globex"];
+    let mut config = config(&outbox, &broker, &tenants);
+    config.poll_ms = NO_POLL_MS;
+    let relay = start_relay(config).await;
+    until_listening(&relay).await;
+    let before = listener_pids(&outbox).await;
+    assert_eq!(before.len(), 1, "one LISTEN connection: {before:?}");
+
+    let mut committed: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    let admin = pg_client().await;
+    let started = Instant::now();
+    for n in 0..120 {
+        let tenant = tenants[n % 2];
+        let id = outbox.insert(tenant, "k", "s", Some("{}"), None).await;
+        committed.entry(tenant.to_string()).or_default().push(id);
+        if n == 40 {
+            let terminated = admin
+                .query_one(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE application_name LIKE $1",
+                    &[&listeners_of(&outbox)],
+                )
+                .await
+                .expect("terminate");
+            assert_eq!(terminated.get::<_, i64>(0), 1);
+            until_down(&relay).await;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    until_listening(&relay).await;
+    let after = listener_pids(&outbox).await;
+    assert_eq!(after.len(), 1, "LISTENing again, once: {after:?}");
+    assert_ne!(after, before, "on a new backend");
+
+    let duplicates = check_history(&outbox, &broker, &committed, Duration::from_secs(10)).await;
+    assert_eq!(duplicates, 0, "no fault of the sweeps, no duplicate");
+    assert!(
+        started.elapsed() < Duration::from_millis(NO_POLL_MS),
+        "all arrived long before the poll"
+    );
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wakeup_poll_relays_by_the_poll_without_listening() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let mut config = config(&outbox, &broker, &["acme"]);
+    config.wakeup = Wakeup::Poll;
+    let relay = start_relay(config).await;
+    let ids = outbox.insert_many("acme", 5).await;
+    eventually("the rows arrive", Duration::from_secs(10), || async {
+        broker.count() >= 5
+    })
+    .await;
+    let mut more = outbox.insert_many("acme", 5).await;
+    eventually("more rows arrive", Duration::from_secs(10), || async {
+        broker.count() >= 10
+    })
+    .await;
+    assert!(
+        listener_pids(&outbox).await.is_empty(),
+        "no LISTEN connection"
+    );
+    assert_eq!(metric_of(&relay, "outbox_wakeups_total").await, 0.0);
+    assert!(!wakeup_connected(&relay).await);
+    relay.stop().await;
+    let received: Vec<i64> = broker.received().iter().map(|r| r.id).collect();
+    let mut expected = ids;
+    expected.append(&mut more);
+    assert_eq!(received, expected);
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writer_that_switches_notifications_off_is_carried_by_the_poll() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let mut config = config(&outbox, &broker, &["acme"]);
+    config.poll_ms = 200;
+    let relay = start_relay(config).await;
+    until_listening(&relay).await;
+    outbox
+        .execute(
+            "BEGIN;
+             SET LOCAL outbox_relay.notify = off;
+             INSERT INTO {outbox} (tenant_id, kind, subject_id, payload) VALUES ('acme', 'k', 's', '{}');
+             COMMIT;",
+        )
+        .await;
+    eventually(
+        "the unannounced row arrives by the poll",
+        Duration::from_secs(10),
+        || async { broker.count() >= 1 },
+    )
+    .await;
+    assert_eq!(
+        metric_of(&relay, "outbox_wakeups_total").await,
+        0.0,
+        "no notification was sent"
+    );
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_transaction_pooling_a_direct_listen_connection_wakes_the_relay() {
+    let bouncer = through_pgbouncer(TRANSACTION_PORT, "transaction").await;
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let mut config = config(&outbox, &broker, &["acme"]);
+    config.poll_ms = NO_POLL_MS;
+    config.database_url = bouncer.parse().expect("the PgBouncer url");
+    // listen_database_url stays direct (support::config sets it so).
+    let relay = start_relay(config).await;
+    until_listening(&relay).await;
+    let mut committed = Vec::new();
+    for n in 1..=2 {
+        committed.push(outbox.insert("acme", "k", "s", Some("{}"), None).await);
+        eventually(
+            "a row arrives by notification, the sweeps going through PgBouncer",
+            Duration::from_secs(10),
+            || async { broker.count() >= n },
+        )
+        .await;
+    }
+    assert!(metric_of(&relay, "outbox_wakeups_total").await >= 1.0);
+    relay.stop().await;
+    let ids: Vec<i64> = broker.received().iter().map(|r| r.id).collect();
+    assert_eq!(ids, committed);
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+/// Rows of ten tenants written while `replicas` relays LISTEN; returns the
+/// skipped claims and the rows published.
+async fn skipped_claims_with(replicas: usize) -> (f64, f64) {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let tenants: Vec<String> = (0..10).map(|i| format!("t{i}")).collect();
+    let names: Vec<&str> = tenants.iter().map(String::as_str).collect();
+    let mut relays = Vec::new();
+    for _ in 0..replicas {
+        let mut config = config(&outbox, &broker, &names);
+        // No poll during the test: every sweep is a notification's, and
+        // each relay learns of the others when they join (their '').
+        config.poll_ms = NO_POLL_MS;
+        relays.push(start_relay(config).await);
+    }
+    for relay in &relays {
+        until_listening(relay).await;
+    }
+    eventually(
+        "every replica's LISTEN connection is there",
+        Duration::from_secs(10),
+        || async { listener_pids(&outbox).await.len() == replicas },
+    )
+    .await;
+    let mut committed: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for n in 0..300 {
+        let tenant = &tenants[n % tenants.len()];
+        let id = outbox.insert(tenant, "k", "s", Some("{}"), None).await;
+        committed.entry(tenant.clone()).or_default().push(id);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let duplicates = check_history(&outbox, &broker, &committed, Duration::from_secs(20)).await;
+    assert_eq!(duplicates, 0, "{replicas} replicas: every row once");
+    let (mut skipped, mut published) = (0.0, 0.0);
+    for relay in &relays {
+        let (_, text) = relay.get("/metrics").await;
+        for tenant in &tenants {
+            skipped += metric(
+                &text,
+                &format!("outbox_sweeps_total{{outcome=\"skipped\",tenant=\"{tenant}\"}}"),
+            )
+            .unwrap_or_default();
+            published += metric(
+                &text,
+                &format!("outbox_published_total{{tenant=\"{tenant}\"}}"),
+            )
+            .unwrap_or_default();
+        }
+    }
+    for relay in relays {
+        relay.stop().await;
+    }
+    broker.delete().await;
+    outbox.drop_schema().await;
+    (skipped, published)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_leave_a_notified_tenant_to_its_owner() {
+    let (alone, published_alone) = skipped_claims_with(1).await;
+    let (three, published_three) = skipped_claims_with(3).await;
+    eprintln!(
+        "skipped claims: 1 replica {alone} for {published_alone} rows; 3 replicas {three} for {published_three} rows"
+    );
+    assert_eq!(published_three, 300.0);
+    assert!(
+        three <= published_three / 20.0,
+        "3 replicas skipped {three} claims for {published_three} rows"
+    );
+}
