@@ -103,15 +103,16 @@ async fn interleaved_writers_arrive_in_commit_order() {
         written.extend(writer.await.expect("writer"));
     }
     written.sort_by_key(|(_, _, commit)| *commit);
+    // Which commit the server saw first cannot be read from the clients (a
+    // writer's task may record its commit after the next writer's): the
+    // consumer's side is the check. Each tenant's rows, in id order, must
+    // arrive in that order, none lost.
     let mut committed = Committed::new();
     for (tenant, id, _) in &written {
         committed.entry(tenant.to_string()).or_default().push(*id);
     }
-    for (tenant, ids) in &committed {
-        assert!(
-            ids.windows(2).all(|w| w[0] < w[1]),
-            "{tenant}'s writers committed in id order: {ids:?}"
-        );
+    for ids in committed.values_mut() {
+        ids.sort_unstable();
     }
     assert!(
         written.windows(2).any(|w| w[0].1 > w[1].1),
