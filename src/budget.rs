@@ -60,6 +60,16 @@ impl ByteBudget {
         Reservation { permit }
     }
 
+    /// Holds `bytes` (at most the whole budget) if they are free now, without
+    /// waiting: for a sweep that already holds budget, which must never wait
+    /// for more (another may be waiting for what it holds).
+    pub fn try_reserve(&self, bytes: usize) -> Option<Reservation> {
+        let wanted = units(bytes).clamp(1, self.units);
+        let wanted = u32::try_from(wanted).unwrap_or(u32::MAX);
+        let permit = self.permits.clone().try_acquire_many_owned(wanted).ok()?;
+        Some(Reservation { permit })
+    }
+
     /// Bytes free now.
     pub fn available(&self) -> usize {
         self.permits.available_permits().saturating_mul(UNIT)
@@ -97,6 +107,13 @@ mod tests {
         first.keep(10 * UNIT + 1);
         assert_eq!(first.bytes(), 11 * UNIT, "rounded up to the unit");
         assert_eq!(budget.available(), 53 * UNIT);
+        assert!(
+            budget.try_reserve(54 * UNIT).is_none(),
+            "no more than is free"
+        );
+        let second = budget.try_reserve(53 * UNIT).expect("what is free");
+        assert_eq!(budget.available(), 0);
+        drop(second);
         drop(first);
         assert_eq!(budget.available(), 64 * UNIT);
     }
