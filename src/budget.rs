@@ -6,7 +6,6 @@
 //! more than the budget of them (see `domain::OutboxRow::cost`).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -31,9 +30,6 @@ pub fn least_for(max_payload_bytes: usize) -> usize {
 pub struct ByteBudget {
     permits: Arc<Semaphore>,
     units: usize,
-    /// Sweeps waiting in `reserve`: `try_reserve` never takes bytes ahead of
-    /// them (the semaphore's `try_acquire` would).
-    waiting: Arc<AtomicUsize>,
 }
 
 /// Bytes of the budget held by one sweep; given back when dropped.
@@ -48,7 +44,6 @@ impl ByteBudget {
         ByteBudget {
             permits: Arc::new(Semaphore::new(units)),
             units,
-            waiting: Arc::new(AtomicUsize::new(0)),
         }
     }
 
@@ -56,7 +51,6 @@ impl ByteBudget {
     pub async fn reserve(&self, bytes: usize) -> Reservation {
         let wanted = units(bytes).clamp(1, self.units);
         let wanted = u32::try_from(wanted).unwrap_or(u32::MAX);
-        let _waiting = Waiting::on(&self.waiting);
         let permit = self
             .permits
             .clone()
@@ -66,40 +60,9 @@ impl ByteBudget {
         Reservation { permit }
     }
 
-    /// Holds `bytes` (at most the whole budget) if they are free now and no
-    /// sweep is waiting for budget, without waiting: for a sweep that already
-    /// holds budget, which must never wait for more (another may be waiting
-    /// for what it holds), nor take it from one that waits (a row larger
-    /// than a share would starve).
-    pub fn try_reserve(&self, bytes: usize) -> Option<Reservation> {
-        if self.waiting.load(Ordering::SeqCst) > 0 {
-            return None;
-        }
-        let wanted = units(bytes).clamp(1, self.units);
-        let wanted = u32::try_from(wanted).unwrap_or(u32::MAX);
-        let permit = self.permits.clone().try_acquire_many_owned(wanted).ok()?;
-        Some(Reservation { permit })
-    }
-
     /// Bytes free now.
     pub fn available(&self) -> usize {
         self.permits.available_permits().saturating_mul(UNIT)
-    }
-}
-
-/// Counts a sweep waiting in `reserve` while it lives.
-struct Waiting<'a>(&'a AtomicUsize);
-
-impl<'a> Waiting<'a> {
-    fn on(count: &'a AtomicUsize) -> Waiting<'a> {
-        count.fetch_add(1, Ordering::SeqCst);
-        Waiting(count)
-    }
-}
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -134,32 +97,8 @@ mod tests {
         first.keep(10 * UNIT + 1);
         assert_eq!(first.bytes(), 11 * UNIT, "rounded up to the unit");
         assert_eq!(budget.available(), 53 * UNIT);
-        assert!(
-            budget.try_reserve(54 * UNIT).is_none(),
-            "no more than is free"
-        );
-        let second = budget.try_reserve(53 * UNIT).expect("what is free");
-        assert_eq!(budget.available(), 0);
-        drop(second);
         drop(first);
         assert_eq!(budget.available(), 64 * UNIT);
-    }
-
-    #[tokio::test]
-    async fn nothing_is_taken_without_waiting_ahead_of_a_sweep_that_waits() {
-        use futures_util::FutureExt;
-        let budget = ByteBudget::new(8 * UNIT);
-        let held = budget.reserve(6 * UNIT).await;
-        let waiter = budget.reserve(4 * UNIT);
-        tokio::pin!(waiter);
-        assert!(waiter.as_mut().now_or_never().is_none(), "waiting");
-        assert!(
-            budget.try_reserve(UNIT).is_none(),
-            "free, but another waits"
-        );
-        drop(held);
-        let _waited = waiter.await;
-        assert!(budget.try_reserve(UNIT).is_some(), "no one waits now");
     }
 
     #[tokio::test]

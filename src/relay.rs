@@ -3,7 +3,7 @@
 //! (`scheduler`) only decides when to call [`Relay::sweep`] next.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
@@ -98,10 +98,6 @@ pub struct Relay {
     /// Since when each tenant's oldest row has waited, as the poll saw it;
     /// `/healthz` reads it (see `lag`).
     pub lag: LagTracker,
-    /// No other tenant is waiting for a sweep (the scheduler says so each
-    /// turn): a sweep whose batch was full may claim its tenant's next batch
-    /// at once, behind its commit, and go on with it (see [`Relay::sweep`]).
-    may_keep_tenant: AtomicBool,
     /// Milliseconds since `started` at the scheduler's last turn; read by `/livez`.
     heartbeat_ms: AtomicU64,
     started: Instant,
@@ -118,7 +114,6 @@ impl Relay {
             publisher,
             metrics,
             lag: LagTracker::new(),
-            may_keep_tenant: AtomicBool::new(false),
             heartbeat_ms: AtomicU64::new(0),
             started: Instant::now(),
         }
@@ -146,58 +141,30 @@ impl Relay {
         self.heartbeat_ms.store(ms, Ordering::Relaxed);
     }
 
-    /// Whether a sweep whose batch was full may go on at once with its
-    /// tenant's next batch: only while no other tenant waits for a sweep, so
-    /// a full batch still lets every waiting tenant go first. Off until the
-    /// scheduler turns it on, and off again when it stops starting sweeps.
-    pub fn keep_tenants(&self, may: bool) {
-        self.may_keep_tenant.store(may, Ordering::Relaxed);
-    }
-
     /// One sweep of one tenant: claim, publish, settle. Records its metrics;
-    /// the caller decides when to sweep again. While no other tenant waits
-    /// (see [`Relay::keep_tenants`]), a full batch is followed in the same
-    /// sweep by the next, claimed behind its commit; each batch is counted
-    /// as a sweep of its own, and the last one's outcome is returned.
+    /// the caller decides when to sweep again.
     pub async fn sweep(&self, tenant: &str) -> SweepOutcome {
-        let mut claimed = None;
-        loop {
-            let started = Instant::now();
-            let (outcome, next) = self.claim_publish_settle(tenant, claimed.take()).await;
-            self.metrics
-                .sweep_finished(tenant, outcome.kind(), started.elapsed());
-            match next {
-                Some(next) => claimed = Some(next),
-                None => return outcome,
-            }
-        }
+        let started = Instant::now();
+        let outcome = self.claim_publish_settle(tenant).await;
+        self.metrics
+            .sweep_finished(tenant, outcome.kind(), started.elapsed());
+        outcome
     }
 
-    /// One batch; and, when its successor was claimed behind its commit,
-    /// that claim.
-    async fn claim_publish_settle(
-        &self,
-        tenant: &str,
-        claimed: Option<(Claim, Reservation)>,
-    ) -> (SweepOutcome, Option<(Claim, Reservation)>) {
+    async fn claim_publish_settle(&self, tenant: &str) -> SweepOutcome {
         let started = Instant::now();
         // Claim: the tenant's advisory lock and its oldest pending rows, as
         // many as its share of the byte budget holds (kept until settled).
-        let claimed = match claimed {
-            Some(claimed) => Ok(Some(claimed)),
-            None => self.claim_within_budget(tenant).await,
-        };
-        let (claim, _budget) = match claimed {
+        let (claim, _budget) = match self.claim_within_budget(tenant).await {
             Ok(Some(claimed)) => claimed,
-            Ok(None) => return (SweepOutcome::Skipped, None),
-            Err(error) => return (SweepOutcome::Failed(error.into()), None),
+            Ok(None) => return SweepOutcome::Skipped,
+            Err(error) => return SweepOutcome::Failed(error.into()),
         };
         if claim.rows().is_empty() {
-            let outcome = match claim.rollback().await {
+            return match claim.rollback().await {
                 Ok(()) => SweepOutcome::Idle { rows: 0 },
                 Err(error) => SweepOutcome::Failed(error.into()),
             };
-            return (outcome, None);
         }
         // Publish, marking the confirmed prefix ahead as it grows, so that
         // the commit has little left to do.
@@ -215,18 +182,8 @@ impl Relay {
         let full = claim.rows().len() == self.config.batch_size
             || claim.cut_by_budget()
             || publishing.cut_short();
-        // Settle: mark the confirmed prefix, record a refusal, commit; and
-        // after a full batch, maybe claim the next behind the commit.
-        let next_budget = (full && report.refusal.is_none())
-            .then(|| self.budget_for_next())
-            .flatten();
-        let settled = match next_budget {
-            Some(next_budget) => claim
-                .settle_and_claim_next(&report, tenant, next_budget.bytes())
-                .await
-                .map(|(rows, next)| (rows, next.map(|next| (next, next_budget)))),
-            None => claim.settle(&report).await.map(|rows| (rows, None)),
-        };
+        // Settle: mark the confirmed prefix, record a refusal, commit.
+        let settled = claim.settle(&report).await;
         tracing::debug!(
             tenant,
             rows = report.confirmed(),
@@ -236,23 +193,10 @@ impl Relay {
             "sweep phases"
         );
         match settled {
-            Ok((rows, next)) => (
-                self.settled(tenant, &rows, full, report),
-                next.and_then(within_budget),
-            ),
+            Ok(rows) => self.settled(tenant, &rows, full, report),
             // Confirmed but not marked: these rows go out again (at least once).
-            Err(error) => (SweepOutcome::Failed(error.into()), None),
+            Err(error) => SweepOutcome::Failed(error.into()),
         }
-    }
-
-    /// The share of the byte budget for a next batch claimed behind a
-    /// commit: only while no other tenant waits, and only if it is free now
-    /// (a sweep holding budget never waits for more).
-    fn budget_for_next(&self) -> Option<Reservation> {
-        if !self.may_keep_tenant.load(Ordering::Relaxed) {
-            return None;
-        }
-        self.budget.try_reserve(self.budget_share)
     }
 
     /// Claims `tenant` with the sweep's share of the byte budget and keeps
@@ -305,17 +249,6 @@ impl Relay {
             None => SweepOutcome::Idle { rows: published },
         }
     }
-}
-
-/// A next batch claimed behind a commit, keeping what it costs of the budget;
-/// `None` (given back at once) when its first row alone was over the share,
-/// so its payload was withheld: a sweep of its own reads it.
-fn within_budget((claim, mut budget): (Claim, Reservation)) -> Option<(Claim, Reservation)> {
-    if claim.withheld().is_some() {
-        return None;
-    }
-    budget.keep(claim.cost());
-    Some((claim, budget))
 }
 
 #[cfg(test)]

@@ -294,7 +294,6 @@ impl Scheduler {
                 self.running.insert(handle.id(), tenant);
             }
         }
-        self.relay.keep_tenants(!self.schedule.has_ready());
         // While a poll runs, its answer wakes the loop; the next one is not due before.
         let poll_due = self.poll.is_none().then_some(self.next_poll);
         [self.schedule.next_wake(), poll_due]
@@ -409,7 +408,6 @@ impl Scheduler {
     /// Lets running sweeps finish within the grace period, then abandons them
     /// (their transactions roll back; their rows stay pending).
     async fn drain(mut self) {
-        self.relay.keep_tenants(false);
         if self.sweeps.is_empty() {
             return;
         }

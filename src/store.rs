@@ -392,57 +392,57 @@ impl Store {
     /// oldest pending rows, as many as fit `budget` bytes (at least one), all
     /// in one round trip. `Ok(None)`: another relay holds the tenant.
     pub async fn claim(&self, tenant: &str, budget: usize) -> Result<Option<Claim>, StoreError> {
-        let claim = Claim::on(Arc::new(self.connection().await?), self.clone());
-        let opened = deadline("the claim", self.open_claim(claim.client(), tenant, budget)).await?;
-        claim.opened(opened).await
-    }
-
-    /// Sends BEGIN, the claim and the batch read on `client`, behind
-    /// whatever was sent on it before, and reads the answers: whether the
-    /// tenant was taken, the batch, and whether the budget cut it short.
-    async fn open_claim(
-        &self,
-        client: &Object,
-        tenant: &str,
-        budget: usize,
-    ) -> Result<Opened, StoreError> {
-        let budget = i64::try_from(budget).unwrap_or(i64::MAX);
-        let lock_key: &str = &self.lock_key;
-        let claim_params: [(&(dyn ToSql + Sync), Type); 2] =
-            [(&lock_key, Type::TEXT), (&tenant, Type::TEXT)];
-        let read_params: [(&(dyn ToSql + Sync), Type); 5] = [
-            (&tenant, Type::TEXT),
-            (&self.batch_size, Type::INT8),
-            (&self.max_payload_bytes, Type::INT8),
-            (&budget, Type::INT8),
-            (&FIELD_LIMIT, Type::INT8),
-        ];
-        // One round trip: the server runs them in order, in the
-        // transaction BEGIN opens.
-        let (begin, taken, rows) = tokio::join!(
-            client.batch_execute(BEGIN),
-            client.query_typed_one(CLAIM, &claim_params),
-            client.query_typed_raw(&self.statements.read_batch, read_params),
-        );
-        begin?;
-        let taken: bool = taken?.try_get(1)?;
-        // One row at a time: only the row being read is held twice.
-        let mut rows = std::pin::pin!(rows?);
-        let mut opened = Opened {
-            taken,
+        let mut claim = Claim {
+            conn: Some(Arc::new(self.connection().await?)),
+            store: self.clone(),
             rows: Vec::new(),
             cut_by_budget: false,
+            ahead: Mutex::new(MarksAhead::default()),
         };
-        while let Some(row) = rows.try_next().await? {
-            // Past the budget: not part of the batch, only a sign that
-            // more rows are pending behind it.
-            if !opened.rows.is_empty() && !row.try_get::<_, bool>("within")? {
-                opened.cut_by_budget = true;
-                continue;
+        let client = claim.client();
+        let budget = i64::try_from(budget).unwrap_or(i64::MAX);
+        let work = async {
+            let lock_key: &str = &self.lock_key;
+            let claim_params: [(&(dyn ToSql + Sync), Type); 2] =
+                [(&lock_key, Type::TEXT), (&tenant, Type::TEXT)];
+            let read_params: [(&(dyn ToSql + Sync), Type); 5] = [
+                (&tenant, Type::TEXT),
+                (&self.batch_size, Type::INT8),
+                (&self.max_payload_bytes, Type::INT8),
+                (&budget, Type::INT8),
+                (&FIELD_LIMIT, Type::INT8),
+            ];
+            // One round trip: the server runs them in order, in the
+            // transaction BEGIN opens.
+            let (begin, taken, rows) = tokio::join!(
+                client.batch_execute(BEGIN),
+                client.query_typed_one(CLAIM, &claim_params),
+                client.query_typed_raw(&self.statements.read_batch, read_params),
+            );
+            begin?;
+            let taken: bool = taken?.try_get(1)?;
+            // One row at a time: only the row being read is held twice.
+            let mut rows = std::pin::pin!(rows?);
+            let (mut batch, mut cut_by_budget) = (Vec::new(), false);
+            while let Some(row) = rows.try_next().await? {
+                // Past the budget: not part of the batch, only a sign that
+                // more rows are pending behind it.
+                if !batch.is_empty() && !row.try_get::<_, bool>("within")? {
+                    cut_by_budget = true;
+                    continue;
+                }
+                batch.push(decode(&row, self.max_payload_bytes)?);
             }
-            opened.rows.push(decode(&row, self.max_payload_bytes)?);
+            Ok::<_, StoreError>((taken, batch, cut_by_budget))
+        };
+        let (taken, rows, cut_by_budget) = deadline("the claim", work).await?;
+        if !taken {
+            claim.rollback().await?;
+            return Ok(None);
         }
-        Ok(opened)
+        claim.rows = rows;
+        claim.cut_by_budget = cut_by_budget;
+        Ok(Some(claim))
     }
 
     /// The configured tenants' lag, one statement.
@@ -587,13 +587,6 @@ struct MarksAhead {
     sent: Vec<MarkAhead>,
 }
 
-/// What the statements opening a claim answered.
-struct Opened {
-    taken: bool,
-    rows: Vec<OutboxRow>,
-    cut_by_budget: bool,
-}
-
 /// A tenant held by this relay: an open transaction with the advisory lock and
 /// the batch it read.
 pub struct Claim {
@@ -607,29 +600,6 @@ pub struct Claim {
 }
 
 impl Claim {
-    /// A claim on `conn` whose statements are about to be sent.
-    fn on(conn: Arc<Object>, store: Store) -> Claim {
-        Claim {
-            conn: Some(conn),
-            store,
-            rows: Vec::new(),
-            cut_by_budget: false,
-            ahead: Mutex::new(MarksAhead::default()),
-        }
-    }
-
-    /// The claim as its statements answered; `None` (rolled back) when
-    /// another relay holds the tenant.
-    async fn opened(mut self, opened: Opened) -> Result<Option<Claim>, StoreError> {
-        if !opened.taken {
-            self.rollback().await?;
-            return Ok(None);
-        }
-        self.rows = opened.rows;
-        self.cut_by_budget = opened.cut_by_budget;
-        Ok(Some(self))
-    }
-
     fn client(&self) -> &Object {
         self.conn
             .as_ref()
@@ -743,33 +713,7 @@ impl Claim {
     /// marks sent ahead did not cover), undoes marks sent ahead past it,
     /// records a refusal known to be the row's, and commits, in one round trip; gives the batch
     /// back. On any error the transaction is abandoned and nothing is marked.
-    pub async fn settle(self, report: &BatchReport) -> Result<Vec<OutboxRow>, StoreError> {
-        let (rows, _) = self.settle_then(report, None).await?;
-        Ok(rows)
-    }
-
-    /// As [`Claim::settle`], and claims `tenant` again for its next batch
-    /// (within `budget` bytes) in the same round trip: BEGIN, the claim and
-    /// the read go out behind the COMMIT on the same connection, so the
-    /// server takes the lock anew right after releasing it, and the next
-    /// batch costs no round trip of its own. Only the settlement can fail;
-    /// the next claim is `None` when another relay took the tenant in
-    /// between, or when its statements failed (the next sweep will meet that
-    /// failure itself).
-    pub async fn settle_and_claim_next(
-        self,
-        report: &BatchReport,
-        tenant: &str,
-        budget: usize,
-    ) -> Result<(Vec<OutboxRow>, Option<Claim>), StoreError> {
-        self.settle_then(report, Some((tenant, budget))).await
-    }
-
-    async fn settle_then(
-        mut self,
-        report: &BatchReport,
-        next: Option<(&str, usize)>,
-    ) -> Result<(Vec<OutboxRow>, Option<Claim>), StoreError> {
+    pub async fn settle(mut self, report: &BatchReport) -> Result<Vec<OutboxRow>, StoreError> {
         self.marks_ahead_done().await?;
         let confirmed = report.confirmed();
         let marked = self.ahead.get_mut().unwrap_or_else(|e| e.into_inner()).rows;
@@ -808,49 +752,23 @@ impl Claim {
                     None => Ok(0),
                 }
             };
-            let next = async {
-                match next {
-                    Some((tenant, budget)) => {
-                        Some(self.store.open_claim(client, tenant, budget).await)
-                    }
-                    None => None,
-                }
-            };
-            let (marked, unmarked, recorded, commit, next) = tokio::join!(
+            let (marked, unmarked, recorded, commit) = tokio::join!(
                 update_ids(client, &statements.mark_published, &published),
                 update_ids(client, &statements.unmark_published, &unpublished),
                 refused,
-                client.batch_execute("COMMIT"),
-                next,
+                client.batch_execute("COMMIT")
             );
             // A failed statement turns the COMMIT into a rollback: report the
-            // statement's error, not the commit's success. (The next claim's
-            // transaction, if any, goes with the connection: see `Drop`.)
+            // statement's error, not the commit's success.
             marked?;
             unmarked?;
             recorded?;
             commit?;
-            Ok(next)
+            Ok(())
         };
-        let next = deadline("the commit", work).await?;
-        let rows = std::mem::take(&mut self.rows);
-        let next = match next {
-            None => {
-                self.release();
-                None
-            }
-            Some(Ok(opened)) => {
-                let conn = self.conn.take().expect("a claim holds its connection");
-                Claim::on(conn, self.store.clone())
-                    .opened(opened)
-                    .await
-                    .ok()
-                    .flatten()
-            }
-            // Dropped with its connection, which closes it.
-            Some(Err(_)) => None,
-        };
-        Ok((rows, next))
+        deadline("the commit", work).await?;
+        self.release();
+        Ok(std::mem::take(&mut self.rows))
     }
 
     /// Ends the transaction without changes.
