@@ -11,8 +11,22 @@
 //!    drain run follows a broker-alone run of its own, and its ratio is to
 //!    that run (the machine's speed drifts by ±15 % between minutes); the
 //!    table gives the median of those ratios, and the whole machine's CPU time
-//!    per message beside the broker alone's, which drifts much less;
+//!    per message beside the broker alone's, which drifts much less. One
+//!    tenant is drained in two settings, each beside a ceiling in the same
+//!    setting: a consumer keeping the queue empty, and no consumer (the queue
+//!    grows, as while consumers are down; arrivals are the queue's message
+//!    count, asked every 10 ms; BENCH_DRAIN token `1x1/backlog`);
 //! 3. steady — a writer at a fixed rate; delay from `occurred_at` to receipt;
+//!    latency — the same at 1,000 rows/s over 10 tenants with `poll_ms` 1000,
+//!    once with `OUTBOX_WAKEUP=notify` (target p99 ≤ 25 ms) and once with
+//!    `poll` (p99 ≤ `poll_ms` + 20 ms); single-row autocommit INSERTs, so
+//!    `occurred_at` is within about a millisecond of the commit;
+//!    producers — single-row INSERT transactions from 4 connections for 5 s:
+//!    (a) without the commit-order trigger, (b) with it and
+//!    `outbox_relay.notify = off`, (c) with its NOTIFY and a session
+//!    LISTENing, (d) as (c) with every writer on one tenant (they serialise
+//!    from insert to commit), (e) as (d) holding each transaction 2 ms after
+//!    its insert; rows/s and the ratio to (a);
 //! 4. idle — 1,000 tenants, no rows: transactions per poll, CPU, peak RSS;
 //! 5. drain with 4 KiB payloads;
 //! 6. memory — peak RSS of one relay (defaults) relaying one 100 MiB row
@@ -21,8 +35,11 @@
 //!
 //! Knobs (environment): BENCH_ROWS (100000), BENCH_RUNS (3), BENCH_RATE
 //! (1000 rows/s), BENCH_STEADY_SECS (20), BENCH_IDLE_SECS (10), BENCH_ONLY
-//! (comma-separated scenario names), BENCH_DRAIN (drain shapes, of 256 B
-//! and 4 KiB alike, e.g. `100x3,1x1`), BENCH_VERBOSE (per run: rates, CPU
+//! (comma-separated scenario names: ceiling, drain, steady, latency,
+//! producers, memory, idle, drain4k), BENCH_DRAIN (drain shapes, of 256 B
+//! and 4 KiB alike, e.g. `100x3,1x1,1x1/backlog`), BENCH_RELAY_LOG (the
+//! relays' log filter, their logs on stdout: `outbox_relay::relay=debug`
+//! gives each sweep's claim, publish and settle times), BENCH_VERBOSE (per run: rates, CPU
 //! per message of RabbitMQ, PostgreSQL and the relays, sweeps by outcome,
 //! arrival timeline), BENCH_WRAP (a command the relay runs under,
 //! e.g. `valgrind --tool=callgrind`), plus OUTBOX_BATCH_SIZE,
