@@ -513,6 +513,11 @@ async fn count_queue(channel: Channel, queue: String, arrivals: Arc<Mutex<Arriva
                     // Those already there count from here on, not in the rate.
                     a.counted_before_first = count - 1;
                 }
+                let bin = (now - a.first.unwrap_or(now)).as_millis() as usize / 10;
+                if a.bins.len() <= bin {
+                    a.bins.resize(bin + 1, 0);
+                }
+                a.bins[bin] += (count - a.count) as u32;
                 a.count = count;
                 a.last = Some(now);
             }
