@@ -11,8 +11,22 @@
 //!    drain run follows a broker-alone run of its own, and its ratio is to
 //!    that run (the machine's speed drifts by ±15 % between minutes); the
 //!    table gives the median of those ratios, and the whole machine's CPU time
-//!    per message beside the broker alone's, which drifts much less;
+//!    per message beside the broker alone's, which drifts much less. One
+//!    tenant is drained in two settings, each beside a ceiling in the same
+//!    setting: a consumer keeping the queue empty, and no consumer (the queue
+//!    grows, as while consumers are down; arrivals are the queue's message
+//!    count, asked every 10 ms; BENCH_DRAIN token `1x1/backlog`);
 //! 3. steady — a writer at a fixed rate; delay from `occurred_at` to receipt;
+//!    latency — the same at 1,000 rows/s over 10 tenants with `poll_ms` 1000,
+//!    once with `OUTBOX_WAKEUP=notify` (target p99 ≤ 25 ms) and once with
+//!    `poll` (p99 ≤ `poll_ms` + 20 ms); single-row autocommit INSERTs, so
+//!    `occurred_at` is within about a millisecond of the commit;
+//!    producers — single-row INSERT transactions from 4 connections for 5 s:
+//!    (a) without the commit-order trigger, (b) with it and
+//!    `outbox_relay.notify = off`, (c) with its NOTIFY and a session
+//!    LISTENing, (d) as (c) with every writer on one tenant (they serialise
+//!    from insert to commit), (e) as (d) holding each transaction 2 ms after
+//!    its insert; rows/s and the ratio to (a);
 //! 4. idle — 1,000 tenants, no rows: transactions per poll, CPU, peak RSS;
 //! 5. drain with 4 KiB payloads;
 //! 6. memory — peak RSS of one relay (defaults) relaying one 100 MiB row
@@ -21,8 +35,11 @@
 //!
 //! Knobs (environment): BENCH_ROWS (100000), BENCH_RUNS (3), BENCH_RATE
 //! (1000 rows/s), BENCH_STEADY_SECS (20), BENCH_IDLE_SECS (10), BENCH_ONLY
-//! (comma-separated scenario names), BENCH_DRAIN (drain shapes, of 256 B
-//! and 4 KiB alike, e.g. `100x3,1x1`), BENCH_VERBOSE (per run: rates, CPU
+//! (comma-separated scenario names: ceiling, drain, steady, latency,
+//! producers, memory, idle, drain4k), BENCH_DRAIN (drain shapes, of 256 B
+//! and 4 KiB alike, e.g. `100x3,1x1,1x1/backlog`), BENCH_RELAY_LOG (the
+//! relays' log filter, their logs on stdout: `outbox_relay::relay=debug`
+//! gives each sweep's claim, publish and settle times), BENCH_VERBOSE (per run: rates, CPU
 //! per message of RabbitMQ, PostgreSQL and the relays, sweeps by outcome,
 //! arrival timeline), BENCH_WRAP (a command the relay runs under,
 //! e.g. `valgrind --tool=callgrind`), plus OUTBOX_BATCH_SIZE,
@@ -109,17 +126,53 @@ impl Knobs {
         }
     }
 
-    /// BENCH_DRAIN narrows the drain to some of its shapes, e.g. `100x3,1x1`.
-    fn wants_drain(&self, tenants: usize, relays: usize) -> bool {
+    /// BENCH_DRAIN narrows the drain to some of its shapes, e.g.
+    /// `100x3,1x1,1x1/backlog`.
+    fn wants_drain(&self, shape: Shape) -> bool {
         self.drains
             .as_ref()
-            .is_none_or(|d| d.iter().any(|s| *s == format!("{tenants}x{relays}")))
+            .is_none_or(|d| d.iter().any(|s| *s == shape.token()))
     }
 
     fn wants(&self, scenario: &str) -> bool {
         self.only
             .as_ref()
             .is_none_or(|o| o.iter().any(|s| s == scenario))
+    }
+}
+
+/// A drain's shape: tenants, relay processes, and whether the queue is consumed.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    tenants: usize,
+    relays: usize,
+    setting: Setting,
+}
+
+impl Shape {
+    const fn consumed(tenants: usize, relays: usize) -> Shape {
+        Shape {
+            tenants,
+            relays,
+            setting: Setting::Consumed,
+        }
+    }
+
+    const fn growing(tenants: usize, relays: usize) -> Shape {
+        Shape {
+            tenants,
+            relays,
+            setting: Setting::Growing,
+        }
+    }
+
+    /// Its name in BENCH_DRAIN: `1x1`, or `1x1/backlog` with no consumer.
+    fn token(self) -> String {
+        let suffix = match self.setting {
+            Setting::Consumed => "",
+            Setting::Growing => "/backlog",
+        };
+        format!("{}x{}{suffix}", self.tenants, self.relays)
     }
 }
 
@@ -225,6 +278,9 @@ struct Arrivals {
     bins: Vec<u32>,
     /// The machine's busy CPU time (all processes) at the first arrival.
     busy_at_first: Option<Duration>,
+    /// Arrivals the first sighting found beyond the first (a queue's count
+    /// is seen only every few ms): not part of the rate.
+    counted_before_first: usize,
 }
 
 impl Arrivals {
@@ -249,7 +305,30 @@ impl Arrivals {
     }
 }
 
-/// A durable topic exchange bound to a durable queue with a consumer.
+/// Whether a consumer keeps the queue empty, or the queue has none and grows
+/// (a backlog drained while the consumers are down).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Setting {
+    Consumed,
+    Growing,
+}
+
+impl Setting {
+    fn label(self) -> &'static str {
+        match self {
+            Setting::Consumed => "with a consumer",
+            Setting::Growing => "no consumer, queue growing",
+        }
+    }
+}
+
+/// How often the queue's message count is asked for when it has no consumer.
+const QUEUE_COUNT_EVERY: Duration = Duration::from_millis(10);
+
+/// A durable topic exchange bound to a durable queue, with a consumer that
+/// records each arrival, or (`Setting::Growing`) none: arrivals are then
+/// the queue's message count (`queue.declare`, passive), asked every
+/// [`QUEUE_COUNT_EVERY`].
 struct Exchange {
     name: String,
     queue: String,
@@ -260,6 +339,10 @@ struct Exchange {
 
 impl Exchange {
     async fn create(record_delay: bool) -> Exchange {
+        Exchange::create_as(record_delay, Setting::Consumed).await
+    }
+
+    async fn create_as(record_delay: bool, setting: Setting) -> Exchange {
         let name = unique("bx");
         let queue = unique("bq");
         let connection = Connection::connect(AMQP_URL, ConnectionProperties::default())
@@ -300,6 +383,17 @@ impl Exchange {
             .await
             .expect("bind");
         let arrivals = Arc::new(Mutex::new(Arrivals::default()));
+        if setting == Setting::Growing {
+            let counting = connection.create_channel().await.expect("channel");
+            tokio::spawn(count_queue(counting, queue.clone(), arrivals.clone()));
+            return Exchange {
+                name,
+                queue,
+                connection,
+                channel,
+                arrivals,
+            };
+        }
         let consumer_channel = connection.create_channel().await.expect("channel");
         let mut consumer = consumer_channel
             .basic_consume(
@@ -374,8 +468,8 @@ impl Exchange {
     fn rate(&self) -> f64 {
         let a = self.arrivals.lock().unwrap();
         match (a.first, a.last) {
-            (Some(f), Some(l)) if a.count > 1 => {
-                (a.count - 1) as f64 / l.duration_since(f).as_secs_f64()
+            (Some(f), Some(l)) if a.count > 1 + a.counted_before_first => {
+                (a.count - 1 - a.counted_before_first) as f64 / l.duration_since(f).as_secs_f64()
             }
             _ => 0.0,
         }
@@ -391,6 +485,44 @@ impl Exchange {
             .exchange_delete(self.name.as_str().into(), ExchangeDeleteOptions::default())
             .await;
         let _ = self.connection.close(200, "done".into()).await;
+    }
+}
+
+/// Follows a queue with no consumer: its message count as arrivals, the
+/// first arrival when it first holds a message; stops when the queue is gone.
+async fn count_queue(channel: Channel, queue: String, arrivals: Arc<Mutex<Arrivals>>) {
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..Default::default()
+    };
+    loop {
+        let Ok(declared) = channel
+            .queue_declare(queue.as_str().into(), passive, FieldTable::default())
+            .await
+        else {
+            return;
+        };
+        let now = Instant::now();
+        let count = declared.message_count() as usize;
+        {
+            let mut a = arrivals.lock().unwrap();
+            if count > a.count {
+                if a.first.is_none() {
+                    a.busy_at_first = Some(machine_busy());
+                    a.first = Some(now);
+                    // Those already there count from here on, not in the rate.
+                    a.counted_before_first = count - 1;
+                }
+                let bin = (now - a.first.unwrap_or(now)).as_millis() as usize / 10;
+                if a.bins.len() <= bin {
+                    a.bins.resize(bin + 1, 0);
+                }
+                a.bins[bin] += (count - a.count) as u32;
+                a.count = count;
+                a.last = Some(now);
+            }
+        }
+        tokio::time::sleep(QUEUE_COUNT_EVERY).await;
     }
 }
 
@@ -526,6 +658,17 @@ impl RelayProcess {
         tenants: &[String],
         http_addr: &str,
     ) -> RelayProcess {
+        RelayProcess::spawn_with(table, exchange, tenants, http_addr, &[])
+    }
+
+    /// As `spawn_on`, with `settings` (e.g. `OUTBOX_POLL_MS`) set last.
+    fn spawn_with(
+        table: &Table,
+        exchange: &Exchange,
+        tenants: &[String],
+        http_addr: &str,
+        settings: &[(&str, String)],
+    ) -> RelayProcess {
         let binary = env!("CARGO_BIN_EXE_outbox-relay");
         // BENCH_WRAP runs the relay under another program, e.g.
         // `valgrind --tool=callgrind` to count its instructions per message.
@@ -559,11 +702,17 @@ impl RelayProcess {
             .env("OUTBOX_SCHEMA", &table.schema)
             .env("OUTBOX_EXCHANGE", &exchange.name)
             .env("OUTBOX_HTTP_ADDR", http_addr)
-            .env("OUTBOX_LOG", "warn")
             .env("OUTBOX_LOG_FORMAT", "json")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit());
+            .envs(settings.iter().map(|(name, value)| (name, value)))
+            .stdin(Stdio::null());
+        // BENCH_RELAY_LOG: the relays' log filter (e.g.
+        // `outbox_relay::relay=debug` for each sweep's phases), their logs
+        // on the benchmark's stdout.
+        match std::env::var("BENCH_RELAY_LOG") {
+            Ok(filter) => command.env("OUTBOX_LOG", filter).stdout(Stdio::inherit()),
+            Err(_) => command.env("OUTBOX_LOG", "warn").stdout(Stdio::null()),
+        }
+        .stderr(Stdio::inherit());
         RelayProcess(command.spawn().expect("the relay binary starts"))
     }
 
@@ -627,8 +776,8 @@ type Confirm<'a> =
 
 /// The broker alone: `rows` messages, windows of `window`, each window's
 /// publishes issued without awaiting each send, then its confirms awaited.
-async fn broker_ceiling(rows: u64, size: usize, window: usize) -> Run {
-    let exchange = Exchange::create(false).await;
+async fn broker_ceiling(rows: u64, size: usize, window: usize, setting: Setting) -> Run {
+    let exchange = Exchange::create_as(false, setting).await;
     let connection = Connection::connect(AMQP_URL, ConnectionProperties::default())
         .await
         .expect("connect");
@@ -746,9 +895,14 @@ struct Run {
 }
 
 /// N rows over `tenant_count` tenants, drained by `relays` relay processes.
-async fn drain(rows: u64, size: usize, tenant_count: usize, relays: usize) -> Run {
+async fn drain(rows: u64, size: usize, shape: Shape) -> Run {
+    let Shape {
+        tenants: tenant_count,
+        relays,
+        setting,
+    } = shape;
     let table = Table::create().await;
-    let exchange = Exchange::create(false).await;
+    let exchange = Exchange::create_as(false, setting).await;
     let names = tenants(tenant_count);
     table.fill(&names, rows, size).await;
     let verbose = verbose();
@@ -776,7 +930,8 @@ async fn drain(rows: u64, size: usize, tenant_count: usize, relays: usize) -> Ru
     if verbose {
         let services_after = service_cpu();
         eprintln!(
-            "  drain {tenant_count}x{relays}: since the relays started, per message: RabbitMQ {:.1} µs, PostgreSQL {:.1} µs",
+            "  drain {}: since the relays started, per message: RabbitMQ {:.1} µs, PostgreSQL {:.1} µs",
+            shape.token(),
             (services_after.0 - services_before.0) * 1e6 / rows as f64,
             (services_after.1 - services_before.1) * 1e6 / rows as f64,
         );
@@ -786,7 +941,7 @@ async fn drain(rows: u64, size: usize, tenant_count: usize, relays: usize) -> Ru
                 *outcomes.entry(outcome).or_default() += n;
             }
         }
-        eprintln!("  drain {tenant_count}x{relays}: sweeps {outcomes:?}");
+        eprintln!("  drain {}: sweeps {outcomes:?}", shape.token());
         let cpu: f64 = processes.iter().map(RelayProcess::cpu_seconds).sum();
         let fractions = [0.1, 0.5, 0.9, 0.99, 0.999, 1.0];
         let at = exchange.arrivals.lock().unwrap().timeline(&fractions);
@@ -796,7 +951,8 @@ async fn drain(rows: u64, size: usize, tenant_count: usize, relays: usize) -> Ru
             .map(|(f, t)| format!("{}% {t:.2}s", f * 100.0))
             .collect();
         eprintln!(
-            "  drain {tenant_count}x{relays}: {rate:.0} msg/s; machine CPU {machine_cpu:.1} µs per message, relays {:.1}; arrived {}",
+            "  drain {}: {rate:.0} msg/s; machine CPU {machine_cpu:.1} µs per message, relays {:.1}; arrived {}",
+            shape.token(),
             cpu * 1e6 / rows as f64,
             at.join(", ")
         );
@@ -813,12 +969,16 @@ async fn drain(rows: u64, size: usize, tenant_count: usize, relays: usize) -> Ru
     }
 }
 
-/// A writer at `rate` rows/s over 10 tenants for `duration`; delays in ms.
-async fn steady(rate: u64, duration: Duration) -> Vec<f64> {
+/// A writer at `rate` rows/s over 10 tenants for `duration`, against a relay
+/// with `settings`; delays in ms from `occurred_at` to receipt. Each row is
+/// its own autocommit INSERT, so `occurred_at` (now() at the transaction's
+/// start) is within about a millisecond of its commit: the delay is commit
+/// to consumer.
+async fn steady(rate: u64, duration: Duration, settings: &[(&str, String)]) -> Vec<f64> {
     let table = Table::create().await;
     let exchange = Exchange::create(true).await;
     let names = tenants(10);
-    let relay = RelayProcess::spawn(&table, &exchange, &names);
+    let relay = RelayProcess::spawn_with(&table, &exchange, &names, "127.0.0.1:0", settings);
     tokio::time::sleep(Duration::from_millis(500)).await; // let the relay connect before the clock starts
     let writers: Vec<tokio_postgres::Client> =
         futures_util::future::join_all((0..4).map(|_| pg(DATABASE_URL))).await;
@@ -904,6 +1064,122 @@ async fn idle(duration: Duration, poll_ms: u64) -> (f64, f64, f64) {
     exchange.delete().await;
     table.drop().await;
     ((long_tx - short_tx) / polls, long_cpu - short_cpu, rss)
+}
+
+/// How the producers' table and sessions are set up (see `producers`).
+#[derive(Debug, Clone, Copy)]
+enum Producers {
+    /// (a) The table without the commit-order trigger: the baseline.
+    NoTrigger,
+    /// (b) The trigger, `outbox_relay.notify = off` on the producer sessions.
+    TriggerQuiet,
+    /// (c) The trigger with its NOTIFY, a session LISTENing as a relay would.
+    TriggerNotify,
+    /// (d) As (c), all writers on ONE tenant: they serialise, insert to commit.
+    OneTenant,
+    /// (e) As (d), each transaction held open 2 ms after its insert.
+    OneTenantHeld,
+}
+
+impl Producers {
+    const ALL: [Producers; 5] = [
+        Producers::NoTrigger,
+        Producers::TriggerQuiet,
+        Producers::TriggerNotify,
+        Producers::OneTenant,
+        Producers::OneTenantHeld,
+    ];
+
+    fn label(self) -> &'static str {
+        match self {
+            Producers::NoTrigger => "(a) no trigger",
+            Producers::TriggerQuiet => "(b) trigger, notify off",
+            Producers::TriggerNotify => "(c) trigger, notify on, a listener",
+            Producers::OneTenant => "(d) trigger, notify, one tenant",
+            Producers::OneTenantHeld => "(e) as (d), held 2 ms before commit",
+        }
+    }
+}
+
+/// Producers: single-row INSERT transactions from 4 connections (each over
+/// its own tenants, or all on one) for `duration`; rows committed per second.
+async fn producers(setup: Producers, duration: Duration) -> f64 {
+    const WRITERS: usize = 4;
+    let table = Table::create().await;
+    if matches!(setup, Producers::NoTrigger) {
+        table
+            .client
+            .batch_execute(&format!(
+                "DROP TRIGGER outbox_relay_commit_order ON {}",
+                table.qualified()
+            ))
+            .await
+            .expect("drop the trigger");
+    }
+    // A relay's LISTEN: NOTIFY's cost at commit is paid with a listener.
+    let listener = pg(DATABASE_URL).await;
+    let channel = outbox_relay::migrate::wakeup_channel(&table.schema, "outbox_message");
+    listener
+        .batch_execute(&format!("LISTEN \"{channel}\""))
+        .await
+        .expect("listen");
+    let one_tenant = matches!(setup, Producers::OneTenant | Producers::OneTenantHeld);
+    let held = matches!(setup, Producers::OneTenantHeld).then_some(Duration::from_millis(2));
+    let insert = format!(
+        "INSERT INTO {} (tenant_id, kind, subject_id, payload) VALUES ($1, 'thing.changed', 's', $2)",
+        table.qualified()
+    );
+    let deadline = Instant::now() + duration;
+    let writers = (0..WRITERS).map(|w| {
+        let insert = insert.clone();
+        async move {
+            let client = pg(DATABASE_URL).await;
+            if matches!(setup, Producers::TriggerQuiet) {
+                client
+                    .batch_execute("SET outbox_relay.notify = off")
+                    .await
+                    .expect("set");
+            }
+            let payload = "x".repeat(256);
+            let (mut rows, mut n) = (0u64, 0usize);
+            while Instant::now() < deadline {
+                let tenant = if one_tenant {
+                    "t0000".to_string()
+                } else {
+                    format!("t{:04}", w + WRITERS * (n % 10))
+                };
+                n += 1;
+                match held {
+                    None => {
+                        client
+                            .execute(&insert, &[&tenant, &payload])
+                            .await
+                            .expect("insert");
+                    }
+                    Some(hold) => {
+                        client.batch_execute("BEGIN").await.expect("begin");
+                        client
+                            .execute(&insert, &[&tenant, &payload])
+                            .await
+                            .expect("insert");
+                        tokio::time::sleep(hold).await;
+                        client.batch_execute("COMMIT").await.expect("commit");
+                    }
+                }
+                rows += 1;
+            }
+            rows
+        }
+    });
+    let started = Instant::now();
+    let rows: u64 = futures_util::future::join_all(writers)
+        .await
+        .into_iter()
+        .sum();
+    let rate = rows as f64 / started.elapsed().as_secs_f64();
+    drop(listener);
+    table.drop().await;
+    rate
 }
 
 /// The relay's default `max_payload_bytes`.
@@ -1045,47 +1321,90 @@ impl Report {
     }
 }
 
-/// The drains of `shapes` (tenants, relays) with payloads of `size` bytes,
-/// each paired with its own broker-alone runs; then those runs together.
-async fn drains(report: &mut Report, knobs: &Knobs, shapes: &[(usize, usize)], size: usize) {
+/// Delivery delays of `knobs.runs` steady runs against relays with
+/// `settings`: p50, p95, p99 and max, each beside `target`.
+async fn delays(
+    report: &mut Report,
+    knobs: &Knobs,
+    name: &str,
+    settings: &[(&str, String)],
+    target: (&str, f64),
+) {
+    let mut p = BTreeMap::<&str, Vec<f64>>::new();
+    for _ in 0..knobs.runs {
+        let mut delays = steady(knobs.rate, knobs.steady, settings).await;
+        delays.sort_by(|a, b| a.total_cmp(b));
+        for (label, q) in [("p50", 50.0), ("p95", 95.0), ("p99", 99.0), ("max", 100.0)] {
+            p.entry(label).or_default().push(percentile(&delays, q));
+        }
+    }
+    for (label, values) in p {
+        report.add(
+            &format!("{name}: delay {label}"),
+            "ms",
+            &Figure { runs: values },
+            Some(target),
+        );
+    }
+}
+
+/// The drains of `shapes` with payloads of `size` bytes, each paired with
+/// its own broker-alone runs in the same setting (consumer or none); then
+/// those runs together, per setting.
+async fn drains(report: &mut Report, knobs: &Knobs, shapes: &[Shape], size: usize) {
     let label = if size >= 1024 {
         format!("{} KiB", size / 1024)
     } else {
         format!("{size} B")
     };
-    let mut ceilings = Vec::new();
-    for &(tenants, relays) in shapes {
-        if !knobs.wants_drain(tenants, relays) {
+    let mut ceilings = BTreeMap::<&str, Vec<f64>>::new();
+    for &shape in shapes {
+        if !knobs.wants_drain(shape) {
             continue;
         }
         let window = knobs.max_in_flight as usize;
-        let pairs = paired(knobs.runs, knobs.rows, size, window, tenants, relays).await;
-        ceilings.extend(pairs.iter().map(|(c, _)| c.rate));
-        let name = format!("drain: {tenants} tenant(s), {relays} relay(s), {label}");
+        let pairs = paired(knobs.runs, knobs.rows, size, window, shape).await;
+        let setting = shape.setting.label();
+        ceilings
+            .entry(setting)
+            .or_default()
+            .extend(pairs.iter().map(|(c, _)| c.rate));
+        let name = match shape.setting {
+            Setting::Consumed => format!(
+                "drain: {} tenant(s), {} relay(s), {label}",
+                shape.tenants, shape.relays
+            ),
+            Setting::Growing => format!(
+                "drain, no consumer: {} tenant(s), {} relay(s), {label}",
+                shape.tenants, shape.relays
+            ),
+        };
         report.add_paired(&name, &pairs);
     }
-    report.add(
-        &format!("ceiling: broker alone, {label} (runs paired with drains)"),
-        "msg/s",
-        &Figure { runs: ceilings },
-        None,
-    );
+    for (setting, runs) in ceilings {
+        report.add(
+            &format!("ceiling: broker alone, {label}, {setting}"),
+            "msg/s",
+            &Figure { runs },
+            None,
+        );
+    }
 }
 
 /// `runs` pairs of (broker ceiling, drain), each drain right after its own
-/// ceiling run, so a drift in the machine's speed moves both alike.
+/// ceiling run in the same setting, so a drift in the machine's speed moves
+/// both alike.
 async fn paired(
     runs: usize,
     rows: u64,
     size: usize,
     window: usize,
-    tenants: usize,
-    relays: usize,
+    shape: Shape,
 ) -> Vec<(Run, Run)> {
     let mut pairs = Vec::new();
     for _ in 0..runs {
-        let ceiling = broker_ceiling(rows, size, window).await;
-        let drain = drain(rows, size, tenants, relays).await;
+        let ceiling = broker_ceiling(rows, size, window, shape.setting).await;
+        let drain = drain(rows, size, shape).await;
         pairs.push((ceiling, drain));
     }
     pairs
@@ -1134,7 +1453,9 @@ async fn main() {
 
     if knobs.wants("ceiling") {
         let f = repeat(runs, || async {
-            broker_ceiling(rows, 256, window).await.rate
+            broker_ceiling(rows, 256, window, Setting::Consumed)
+                .await
+                .rate
         })
         .await;
         report.add("ceiling: broker alone, 256 B", "msg/s", &f, None);
@@ -1150,29 +1471,72 @@ async fn main() {
         drains(
             &mut report,
             &knobs,
-            &[(1, 1), (1, 3), (100, 1), (100, 3)],
+            &[
+                Shape::consumed(1, 1),
+                Shape::growing(1, 1),
+                Shape::consumed(1, 3),
+                Shape::consumed(100, 1),
+                Shape::consumed(100, 3),
+            ],
             256,
         )
         .await;
     }
     if knobs.wants("steady") {
-        let mut p = BTreeMap::<&str, Vec<f64>>::new();
-        for _ in 0..runs {
-            let mut delays = steady(knobs.rate, knobs.steady).await;
-            delays.sort_by(|a, b| a.total_cmp(b));
-            for (label, q) in [("p50", 50.0), ("p95", 95.0), ("p99", 99.0), ("max", 100.0)] {
-                p.entry(label).or_default().push(percentile(&delays, q));
-            }
-        }
+        let name = format!("steady {}/s over 10 tenants", knobs.rate);
         let target = knobs.poll_ms as f64 + 20.0;
-        for (label, values) in p {
-            let name = format!("steady {}/s over 10 tenants: delay {label}", knobs.rate);
-            report.add(
-                &name,
-                "ms",
-                &Figure { runs: values },
-                Some(("(poll_ms + 20 ms)", target)),
+        delays(
+            &mut report,
+            &knobs,
+            &name,
+            &[],
+            ("(poll_ms + 20 ms)", target),
+        )
+        .await;
+    }
+    if knobs.wants("latency") {
+        println!(
+            "latency: commit to consumer (single-row autocommit INSERTs: occurred_at is within ~1 ms of the commit)"
+        );
+        let poll_ms = 1_000;
+        for (wakeup, target) in [("notify", 25.0), ("poll", poll_ms as f64 + 20.0)] {
+            let name = format!(
+                "latency {}/s, 10 tenants, poll_ms {poll_ms}, wakeup {wakeup}",
+                knobs.rate
             );
+            let settings = [
+                ("OUTBOX_POLL_MS", poll_ms.to_string()),
+                ("OUTBOX_WAKEUP", wakeup.to_string()),
+            ];
+            let label = if wakeup == "notify" {
+                "target 25 ms"
+            } else {
+                "target poll_ms + 20 ms"
+            };
+            delays(&mut report, &knobs, &name, &settings, (label, target)).await;
+        }
+    }
+    if knobs.wants("producers") {
+        let duration = Duration::from_secs(5);
+        let mut baseline = Vec::new();
+        for setup in Producers::ALL {
+            let mut runs_of = Vec::new();
+            for _ in 0..runs {
+                runs_of.push(producers(setup, duration).await);
+            }
+            let figure = Figure { runs: runs_of };
+            let name = format!("producers, 4 connections: {}", setup.label());
+            if matches!(setup, Producers::NoTrigger) {
+                baseline = figure.runs.clone();
+                report.add(&name, "rows/s", &figure, None);
+            } else {
+                report.add(
+                    &name,
+                    "rows/s",
+                    &figure,
+                    Some(("(a)", median(&mut baseline.clone()))),
+                );
+            }
         }
     }
     if knobs.wants("memory") {
@@ -1230,7 +1594,13 @@ async fn main() {
         );
     }
     if knobs.wants("drain4k") {
-        drains(&mut report, &knobs, &[(1, 1), (100, 3)], 4096).await;
+        drains(
+            &mut report,
+            &knobs,
+            &[Shape::consumed(1, 1), Shape::consumed(100, 3)],
+            4096,
+        )
+        .await;
     }
 
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-relay.json");

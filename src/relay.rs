@@ -156,6 +156,7 @@ impl Relay {
     }
 
     async fn claim_publish_settle(&self, tenant: &str) -> SweepOutcome {
+        let started = Instant::now();
         // Claim: the tenant's advisory lock and its oldest pending rows, as
         // many as its share of the byte budget holds (kept until settled).
         let (claim, _budget) = match self.claim_within_budget(tenant).await {
@@ -172,19 +173,30 @@ impl Relay {
         // Publish, marking the confirmed prefix ahead as it grows, so that
         // the commit has little left to do.
         let mut publishing = self.publisher.publish(tenant, claim.rows(), &claim);
+        let claimed = started.elapsed();
         let report = loop {
             match publishing.next().await {
                 Progress::Confirmed(prefix) => claim.mark_ahead(prefix),
                 Progress::Settled(report) => break report,
             }
         };
+        let confirmed = started.elapsed();
         // A batch cut short (by the byte budget, or where its rows go another
         // way) is followed at once, like a full one.
         let full = claim.rows().len() == self.config.batch_size
             || claim.cut_by_budget()
             || publishing.cut_short();
         // Settle: mark the confirmed prefix, record a refusal, commit.
-        match claim.settle(&report).await {
+        let settled = claim.settle(&report).await;
+        tracing::debug!(
+            tenant,
+            rows = report.confirmed(),
+            claim_us = claimed.as_micros(),
+            publish_us = (confirmed - claimed).as_micros(),
+            settle_us = (started.elapsed() - confirmed).as_micros(),
+            "sweep phases"
+        );
+        match settled {
             Ok(rows) => self.settled(tenant, &rows, full, report),
             // Confirmed but not marked: these rows go out again (at least once).
             Err(error) => SweepOutcome::Failed(error.into()),
