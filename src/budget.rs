@@ -60,6 +60,16 @@ impl ByteBudget {
         Reservation { permit }
     }
 
+    /// Holds `bytes` (at most the whole budget) if they are free now. Never
+    /// ahead of a sweep that waits: the semaphore hands freed bytes to its
+    /// waiters first.
+    pub fn try_reserve(&self, bytes: usize) -> Option<Reservation> {
+        let wanted = units(bytes).clamp(1, self.units);
+        let wanted = u32::try_from(wanted).unwrap_or(u32::MAX);
+        let permit = self.permits.clone().try_acquire_many_owned(wanted).ok()?;
+        Some(Reservation { permit })
+    }
+
     /// Bytes free now.
     pub fn available(&self) -> usize {
         self.permits.available_permits().saturating_mul(UNIT)
@@ -121,6 +131,24 @@ mod tests {
         assert!(!waiting.is_finished(), "2 KiB free, 4 KiB wanted");
         drop(held);
         assert_eq!(waiting.await.unwrap(), 4 * UNIT);
+    }
+
+    #[tokio::test]
+    async fn trying_takes_what_is_free_and_never_passes_a_waiting_sweep() {
+        let budget = ByteBudget::new(8 * UNIT);
+        let held = budget.try_reserve(6 * UNIT).expect("free");
+        assert!(budget.try_reserve(4 * UNIT).is_none(), "2 KiB free");
+        let waiting = tokio::spawn({
+            let budget = budget.clone();
+            async move { budget.reserve(8 * UNIT).await.bytes() }
+        });
+        tokio::task::yield_now().await;
+        assert!(
+            budget.try_reserve(UNIT).is_none(),
+            "the free 2 KiB are the waiting sweep's"
+        );
+        drop(held);
+        assert_eq!(waiting.await.unwrap(), 8 * UNIT);
     }
 
     #[test]

@@ -1,9 +1,13 @@
 //! One sweep of one tenant: claim it, publish its batch, settle what the
-//! broker confirmed. [`Relay`] holds what every sweep needs; the scheduler
+//! broker confirmed. While no other tenant waits for a sweep, a full batch's
+//! successor is read ahead in the same transaction as the batch is
+//! published, and goes out as soon as the batch is confirmed and marked (up
+//! to [`CHAINED_BATCHES`] in one transaction): the broker does not idle while
+//! the database reads and commits. [`Relay`] holds what every sweep needs; the scheduler
 //! (`scheduler`) only decides when to call [`Relay::sweep`] next.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
 
 use tokio::time::Instant;
@@ -16,6 +20,11 @@ use crate::metrics::Metrics;
 use crate::publisher::{Progress, PublishError, Publisher};
 use crate::store::{Claim, Store, StoreError};
 use crate::wakeup::Wakeups;
+
+/// At most this many full batches go out in one transaction (one claim):
+/// more would hold the tenant, and resend more after a crash, for little
+/// more speed.
+pub const CHAINED_BATCHES: usize = 4;
 
 /// How one sweep of one tenant ended.
 #[derive(Debug)]
@@ -101,6 +110,9 @@ pub struct Relay {
     pub lag: LagTracker,
     /// Notifications waiting for the scheduler (see `wakeup`).
     pub wakeups: Arc<Wakeups>,
+    /// Tenants are ready and wait for a sweep: a sweep goes on to a next
+    /// batch only while none does (set by the scheduler).
+    tenants_waiting: AtomicBool,
     /// Milliseconds since `started` at the scheduler's last turn; read by `/livez`.
     heartbeat_ms: AtomicU64,
     started: Instant,
@@ -118,6 +130,7 @@ impl Relay {
             publisher,
             metrics,
             lag: LagTracker::new(),
+            tenants_waiting: AtomicBool::new(false),
             heartbeat_ms: AtomicU64::new(0),
             started: Instant::now(),
         }
@@ -139,6 +152,15 @@ impl Relay {
         ))
     }
 
+    /// Says whether tenants wait for a sweep (see [`CHAINED_BATCHES`]).
+    pub fn set_tenants_waiting(&self, waiting: bool) {
+        self.tenants_waiting.store(waiting, Ordering::Relaxed);
+    }
+
+    fn tenants_waiting(&self) -> bool {
+        self.tenants_waiting.load(Ordering::Relaxed)
+    }
+
     /// Records that the relay's main loop is turning (see `/livez`).
     pub fn beat(&self) {
         let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
@@ -156,10 +178,9 @@ impl Relay {
     }
 
     async fn claim_publish_settle(&self, tenant: &str) -> SweepOutcome {
-        let started = Instant::now();
         // Claim: the tenant's advisory lock and its oldest pending rows, as
         // many as its share of the byte budget holds (kept until settled).
-        let (claim, _budget) = match self.claim_within_budget(tenant).await {
+        let (mut claim, mut budget) = match self.claim_within_budget(tenant).await {
             Ok(Some(claimed)) => claimed,
             Ok(None) => return SweepOutcome::Skipped,
             Err(error) => return SweepOutcome::Failed(error.into()),
@@ -170,37 +191,98 @@ impl Relay {
                 Err(error) => SweepOutcome::Failed(error.into()),
             };
         }
-        // Publish, marking the confirmed prefix ahead as it grows, so that
-        // the commit has little left to do.
-        let mut publishing = self.publisher.publish(tenant, claim.rows(), &claim);
-        let claimed = started.elapsed();
-        let report = loop {
-            match publishing.next().await {
-                Progress::Confirmed(prefix) => claim.mark_ahead(prefix),
-                Progress::Settled(report) => break report,
+        let mut earlier = Earlier::default();
+        loop {
+            let started = Instant::now();
+            let next_budget = self.read_ahead(&claim, earlier.batches);
+            // Publish, marking the confirmed prefix ahead as it grows, so that
+            // the commit has little left to do.
+            let mut publishing = self.publisher.publish(tenant, claim.rows(), &claim);
+            let report = loop {
+                // The read ahead is driven beside the confirms (the answers
+                // on the claim's connection come back in order).
+                let step = publishing.next();
+                tokio::pin!(step);
+                let progress = loop {
+                    tokio::select! {
+                        progress = &mut step => break progress,
+                        () = claim.read_ahead_progress(), if claim.reading_ahead() => {}
+                    }
+                };
+                match progress {
+                    Progress::Confirmed(prefix) => claim.mark_ahead(prefix),
+                    Progress::Settled(report) => break report,
+                }
+            };
+            let confirmed = started.elapsed();
+            // A batch cut short (by the byte budget, or where its rows go
+            // another way) is followed at once, like a full one.
+            let full = claim.rows().len() == self.config.batch_size
+                || claim.cut_by_budget()
+                || publishing.cut_short();
+            let wholly = report.refusal.is_none()
+                && report.confirmed() == claim.rows().len()
+                && !publishing.cut_short();
+            drop(publishing);
+            // Go on in this transaction with the batch read ahead, if any.
+            if let Some(reserved) = next_budget
+                && wholly
+                && !self.tenants_waiting()
+            {
+                let delays = self.delays(claim.rows(), &report);
+                match claim.advance().await {
+                    Ok(true) => {
+                        earlier.add(report.confirmed(), delays);
+                        budget = reserved;
+                        budget.keep(claim.cost());
+                        continue;
+                    }
+                    Ok(false) => {}
+                    Err(error) => return SweepOutcome::Failed(error.into()),
+                }
             }
-        };
-        let confirmed = started.elapsed();
-        // A batch cut short (by the byte budget, or where its rows go another
-        // way) is followed at once, like a full one.
-        let full = claim.rows().len() == self.config.batch_size
-            || claim.cut_by_budget()
-            || publishing.cut_short();
-        // Settle: mark the confirmed prefix, record a refusal, commit.
-        let settled = claim.settle(&report).await;
-        tracing::debug!(
-            tenant,
-            rows = report.confirmed(),
-            claim_us = claimed.as_micros(),
-            publish_us = (confirmed - claimed).as_micros(),
-            settle_us = (started.elapsed() - confirmed).as_micros(),
-            "sweep phases"
-        );
-        match settled {
-            Ok(rows) => self.settled(tenant, &rows, full, report),
-            // Confirmed but not marked: these rows go out again (at least once).
-            Err(error) => SweepOutcome::Failed(error.into()),
+            // Settle: mark the confirmed prefix, record a refusal, commit.
+            let settled = claim.settle(&report).await;
+            tracing::debug!(
+                tenant,
+                rows = report.confirmed(),
+                batches_before = earlier.batches,
+                publish_us = confirmed.as_micros(),
+                settle_us = (started.elapsed() - confirmed).as_micros(),
+                "sweep's last batch"
+            );
+            drop(budget);
+            return match settled {
+                Ok(rows) => self.settled(tenant, &rows, full, report, earlier),
+                // Confirmed but not marked: these rows go out again (at least once).
+                Err(error) => SweepOutcome::Failed(error.into()),
+            };
         }
+    }
+
+    /// Reads the next batch ahead when this one is full and may be followed
+    /// in the same transaction: no tenant waits, fewer than
+    /// [`CHAINED_BATCHES`] went before, and the byte budget has a share free
+    /// now (taken without waiting, and never ahead of a sweep that waits).
+    fn read_ahead(&self, claim: &Claim, batches_before: usize) -> Option<Reservation> {
+        let full = claim.rows().len() == self.config.batch_size && !claim.cut_by_budget();
+        if !full || batches_before + 1 >= CHAINED_BATCHES || self.tenants_waiting() {
+            return None;
+        }
+        let reserved = self.budget.try_reserve(self.budget_share)?;
+        claim.read_ahead(reserved.bytes());
+        Some(reserved)
+    }
+
+    /// Each confirmed row's delay, broker confirm minus `occurred_at`.
+    fn delays(&self, rows: &[OutboxRow], report: &BatchReport) -> Vec<Duration> {
+        rows.iter()
+            .zip(&report.confirmed_at)
+            .map(|(row, confirmed_at)| {
+                let occurred_at = SystemTime::from(row.occurred_at);
+                confirmed_at.duration_since(occurred_at).unwrap_or_default()
+            })
+            .collect()
     }
 
     /// Claims `tenant` with the sweep's share of the byte budget and keeps
@@ -224,20 +306,20 @@ impl Relay {
         Ok(Some((claim, budget)))
     }
 
-    /// Counts a settled batch and says how its sweep ended: a `full` batch
-    /// is followed at once by the next.
+    /// Counts a settled sweep (its last batch, and the batches before it in
+    /// the same transaction) and says how it ended: a `full` last batch is
+    /// followed at once by the next.
     fn settled(
         &self,
         tenant: &str,
         rows: &[OutboxRow],
         full: bool,
         report: BatchReport,
+        earlier: Earlier,
     ) -> SweepOutcome {
-        let published = report.confirmed();
+        let published = earlier.published + report.confirmed();
         self.metrics.count_published(tenant, published);
-        for (row, confirmed_at) in rows.iter().zip(&report.confirmed_at) {
-            let occurred_at = SystemTime::from(row.occurred_at);
-            let delay = confirmed_at.duration_since(occurred_at).unwrap_or_default();
+        for delay in earlier.delays.into_iter().chain(self.delays(rows, &report)) {
             self.metrics.delivered_after(delay);
         }
         match report.refusal {
@@ -252,6 +334,23 @@ impl Relay {
             None if full => SweepOutcome::Published { rows: published },
             None => SweepOutcome::Idle { rows: published },
         }
+    }
+}
+
+/// The batches a sweep published before its last, in the same transaction:
+/// counted only once it commits.
+#[derive(Debug, Default)]
+struct Earlier {
+    batches: usize,
+    published: usize,
+    delays: Vec<Duration>,
+}
+
+impl Earlier {
+    fn add(&mut self, published: usize, delays: Vec<Duration>) {
+        self.batches += 1;
+        self.published += published;
+        self.delays.extend(delays);
     }
 }
 

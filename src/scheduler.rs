@@ -330,6 +330,8 @@ impl Scheduler {
                 self.running.insert(handle.id(), tenant);
             }
         }
+        // Running sweeps go on to a next batch only while no tenant waits.
+        self.relay.set_tenants_waiting(self.schedule.has_ready());
         // While a poll runs, its answer wakes the loop; the next one is not due before.
         let poll_due = self.poll.is_none().then_some(self.next_poll);
         [self.schedule.next_wake(), poll_due]

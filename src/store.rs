@@ -407,47 +407,34 @@ impl Store {
         let mut claim = Claim {
             conn: Some(Arc::new(self.connection().await?)),
             store: self.clone(),
+            tenant: tenant.into(),
             rows: Vec::new(),
             cut_by_budget: false,
             ahead: Mutex::new(MarksAhead::default()),
         };
         let client = claim.client();
-        let budget = i64::try_from(budget).unwrap_or(i64::MAX);
         let work = async {
             let lock_key: &str = &self.lock_key;
             let claim_params: [(&(dyn ToSql + Sync), Type); 2] =
                 [(&lock_key, Type::TEXT), (&tenant, Type::TEXT)];
-            let read_params: [(&(dyn ToSql + Sync), Type); 5] = [
-                (&tenant, Type::TEXT),
-                (&self.batch_size, Type::INT8),
-                (&self.max_payload_bytes, Type::INT8),
-                (&budget, Type::INT8),
-                (&FIELD_LIMIT, Type::INT8),
-            ];
             // One round trip: the server runs them in order, in the
             // transaction BEGIN opens.
-            let (begin, taken, rows) = tokio::join!(
+            let (begin, taken, batch) = tokio::join!(
                 client.batch_execute(BEGIN),
                 client.query_typed_one(CLAIM, &claim_params),
-                client.query_typed_raw(&self.statements.read_batch, read_params),
+                self.read_batch(client, tenant, i64::MIN, budget),
             );
             begin?;
             let taken: bool = taken?.try_get(1)?;
-            // One row at a time: only the row being read is held twice.
-            let mut rows = std::pin::pin!(rows?);
-            let (mut batch, mut cut_by_budget) = (Vec::new(), false);
-            while let Some(row) = rows.try_next().await? {
-                // Past the budget: not part of the batch, only a sign that
-                // more rows are pending behind it.
-                if !batch.is_empty() && !row.try_get::<_, bool>("within")? {
-                    cut_by_budget = true;
-                    continue;
-                }
-                batch.push(decode(&row, self.max_payload_bytes)?);
-            }
-            Ok::<_, StoreError>((taken, batch, cut_by_budget))
+            Ok::<_, StoreError>((taken, batch?))
         };
-        let (taken, rows, cut_by_budget) = deadline("the claim", work).await?;
+        let (
+            taken,
+            Batch {
+                rows,
+                cut_by_budget,
+            },
+        ) = deadline("the claim", work).await?;
         if !taken {
             claim.rollback().await?;
             return Ok(None);
@@ -455,6 +442,43 @@ impl Store {
         claim.rows = rows;
         claim.cut_by_budget = cut_by_budget;
         Ok(Some(claim))
+    }
+
+    /// The tenant's oldest pending rows after id `after`, as many as fit
+    /// `budget` bytes (at least one), decoded one at a time as they arrive
+    /// (only the row being read is held twice). Read in the claim's
+    /// transaction, which alone lets the statement return rows.
+    async fn read_batch(
+        &self,
+        client: &Object,
+        tenant: &str,
+        after: i64,
+        budget: usize,
+    ) -> Result<Batch, StoreError> {
+        let budget = i64::try_from(budget).unwrap_or(i64::MAX);
+        let params: [(&(dyn ToSql + Sync), Type); 6] = [
+            (&tenant, Type::TEXT),
+            (&self.batch_size, Type::INT8),
+            (&self.max_payload_bytes, Type::INT8),
+            (&budget, Type::INT8),
+            (&FIELD_LIMIT, Type::INT8),
+            (&after, Type::INT8),
+        ];
+        let rows = client
+            .query_typed_raw(&self.statements.read_batch, params)
+            .await?;
+        let mut rows = std::pin::pin!(rows);
+        let mut batch = Batch::default();
+        while let Some(row) = rows.try_next().await? {
+            // Past the budget: not part of the batch, only a sign that
+            // more rows are pending behind it.
+            if !batch.rows.is_empty() && !row.try_get::<_, bool>("within")? {
+                batch.cut_by_budget = true;
+                continue;
+            }
+            batch.rows.push(decode(&row, self.max_payload_bytes)?);
+        }
+        Ok(batch)
     }
 
     /// The configured tenants' lag, one statement.
@@ -599,12 +623,43 @@ async fn update_ids(client: &Object, sql: &str, ids: &[i64]) -> Result<u64, Stor
 /// polled, its outcome read before the commit.
 type MarkAhead = Pin<Box<MaybeDone<Pin<Box<dyn Future<Output = Result<u64, StoreError>> + Send>>>>>;
 
-/// The marks a claim has sent ahead of its commit.
+/// The read of the next batch, sent ahead in the claim's transaction while
+/// the current batch is published.
+type ReadAhead =
+    Pin<Box<MaybeDone<Pin<Box<dyn Future<Output = Result<Batch, StoreError>> + Send>>>>>;
+
+/// Rows read for one batch.
+#[derive(Default)]
+struct Batch {
+    rows: Vec<OutboxRow>,
+    /// More rows were pending than the byte budget let the batch hold.
+    cut_by_budget: bool,
+}
+
+/// What a claim has sent ahead of its commit on its connection: marks, and
+/// the read of its next batch. Their answers come back in the order they
+/// were sent, so whoever waits for one polls them all.
 #[derive(Default)]
 struct MarksAhead {
     /// Rows of the batch, from its start, that the marks cover.
     rows: usize,
     sent: Vec<MarkAhead>,
+    next: Option<ReadAhead>,
+}
+
+impl MarksAhead {
+    /// Polls everything sent; ready when every mark has its answer and the
+    /// read (if any) is done.
+    fn poll_all(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let mut done = true;
+        for mark in &mut self.sent {
+            done &= mark.as_mut().poll(cx).is_ready();
+        }
+        if let Some(next) = &mut self.next {
+            done &= next.as_mut().poll(cx).is_ready();
+        }
+        if done { Poll::Ready(()) } else { Poll::Pending }
+    }
 }
 
 /// A tenant held by this relay: an open transaction with the advisory lock and
@@ -613,6 +668,7 @@ pub struct Claim {
     /// Shared only with the marks sent ahead, which end before the claim does.
     conn: Option<Arc<Object>>,
     store: Store,
+    tenant: Arc<str>,
     rows: Vec<OutboxRow>,
     /// More rows were pending than the byte budget let the batch hold.
     cut_by_budget: bool,
@@ -695,27 +751,91 @@ impl Claim {
         // polled too: the driver hands a statement's answer over only once
         // the one before it has taken its own, so answers left waiting would
         // hold up the connection.
-        let mut noop = Context::from_waker(Waker::noop());
-        for mark in &mut ahead.sent {
-            let _ = mark.as_mut().poll(&mut noop);
-        }
+        let _ = ahead.poll_all(&mut Context::from_waker(Waker::noop()));
     }
 
-    /// Waits for the marks sent ahead, within [`QUERY_TIMEOUT`] of being
-    /// asked (not of being sent: a long batch may be sending for longer);
-    /// the rows they marked. A failed mark has aborted the transaction: the
-    /// claim can only be dropped.
+    /// Sends the read of the batch after this one (the tenant's pending rows
+    /// after its last id, as many as `budget` bytes hold) in the claim's
+    /// transaction, so that it is done while this batch is published; see
+    /// [`Claim::reading_ahead`] and [`Claim::advance`].
+    pub fn read_ahead(&self, budget: usize) {
+        let Some(after) = self.rows.last().map(|row| row.id) else {
+            return;
+        };
+        let conn = self.conn.clone().expect("a claim holds its connection");
+        let (store, tenant) = (self.store.clone(), self.tenant.clone());
+        let read: Pin<Box<dyn Future<Output = _> + Send>> =
+            Box::pin(async move { store.read_batch(&conn, &tenant, after, budget).await });
+        let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+        ahead.next = Some(Box::pin(maybe_done(read)));
+        let _ = ahead.poll_all(&mut Context::from_waker(Waker::noop()));
+    }
+
+    /// Whether a read ahead is still under way.
+    pub fn reading_ahead(&self) -> bool {
+        let ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+        ahead
+            .next
+            .as_ref()
+            .is_some_and(|next| matches!(next.as_ref().get_ref(), MaybeDone::Future(_)))
+    }
+
+    /// Drives what was sent ahead (the read, and the marks it holds up)
+    /// until the read is done; the publishing loop awaits it beside the
+    /// broker's confirms.
+    pub async fn read_ahead_progress(&self) {
+        std::future::poll_fn(|cx| {
+            let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+            let _ = ahead.poll_all(cx);
+            match &ahead.next {
+                Some(next) if matches!(next.as_ref().get_ref(), MaybeDone::Future(_)) => {
+                    Poll::Pending
+                }
+                _ => Poll::Ready(()),
+            }
+        })
+        .await
+    }
+
+    /// Once every row of this batch was confirmed: marks them all (in the
+    /// transaction) and makes the batch read ahead the claim's batch.
+    /// `Ok(false)`, and the claim unchanged but for its marks, when there is
+    /// no next batch to go on with: none was read, it is empty, or its first
+    /// row was too large for the read's share (its own sweep reads it).
+    pub async fn advance(&mut self) -> Result<bool, StoreError> {
+        self.mark_ahead(self.rows.len());
+        self.marks_ahead_done().await?;
+        let ahead = self.ahead.get_mut().unwrap_or_else(|e| e.into_inner());
+        let Some(mut next) = ahead.next.take() else {
+            return Ok(false);
+        };
+        let batch = next
+            .as_mut()
+            .take_output()
+            .expect("the read ahead is done once the marks are")?;
+        let withheld = batch
+            .rows
+            .first()
+            .is_some_and(|row| matches!(row.payload, Payload::OverBudget { .. }));
+        if batch.rows.is_empty() || withheld {
+            return Ok(false);
+        }
+        ahead.rows = 0;
+        self.rows = batch.rows;
+        self.cut_by_budget = batch.cut_by_budget;
+        Ok(true)
+    }
+
+    /// Waits for the marks and the read sent ahead, within [`QUERY_TIMEOUT`]
+    /// of being asked (not of being sent: a long batch may be sending for
+    /// longer); the rows the marks marked. A failed mark or read has aborted
+    /// the transaction: the claim can only be dropped.
     pub async fn marks_ahead_done(&self) -> Result<u64, StoreError> {
         // Polled where they are: the claim must always know every holder of
         // its connection (see `Drop`), even if this wait is abandoned.
         let all_answered = std::future::poll_fn(|cx| {
             let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
-            for mark in &mut ahead.sent {
-                if mark.as_mut().poll(cx).is_pending() {
-                    return Poll::Pending;
-                }
-            }
-            Poll::Ready(Ok(()))
+            ahead.poll_all(cx).map(Ok)
         });
         deadline("marking ahead", all_answered).await?;
         let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
@@ -725,6 +845,16 @@ impl Claim {
                 .as_mut()
                 .take_output()
                 .expect("a finished mark has its outcome")?;
+        }
+        // A failed read ahead has aborted the transaction too (its COMMIT
+        // would only roll back): its error ends the claim. A batch read is
+        // left for `advance`.
+        if let Some(next) = &mut ahead.next
+            && matches!(next.as_ref().get_ref(), MaybeDone::Done(Err(_)))
+            && let Some(Err(error)) = next.as_mut().take_output()
+        {
+            ahead.next = None;
+            return Err(error);
         }
         Ok(marked)
     }
@@ -819,12 +949,10 @@ impl Lease for Claim {
 
 impl Drop for Claim {
     fn drop(&mut self) {
-        // The marks share the connection; they go first.
-        self.ahead
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .sent
-            .clear();
+        // The marks and the read ahead share the connection; they go first.
+        let ahead = self.ahead.get_mut().unwrap_or_else(|e| e.into_inner());
+        ahead.sent.clear();
+        ahead.next = None;
         if let Some(conn) = self.conn.take().and_then(Arc::into_inner) {
             // Still inside the transaction: close the connection, and with it
             // the transaction and the advisory lock.

@@ -1,7 +1,10 @@
 -- The tenant's oldest pending rows, in outbox order, if this transaction holds
 -- the tenant (see claim.sql), as many as fit the sweep's share of the relay's
 -- byte budget. $1 = tenant, $2 = batch size, $3 = max_payload_bytes, $4 = the
--- sweep's share of the budget, $5 = the longest subject_id or headers read.
+-- sweep's share of the budget, $5 = the longest subject_id or headers read,
+-- $6 = the id the batch starts after (the lowest bigint for a claim's first
+-- batch; the last id of the batch being published for the next one, read
+-- ahead in the same transaction).
 --
 -- `tenant_id` is bounded by a range rather than `=`, and the order is written as
 -- (tenant_id, id): only the partial index (tenant_id, id) WHERE published_at IS
@@ -34,7 +37,7 @@ WITH batch AS (
            octet_length(headers::text) AS headers_bytes
     FROM {table}
     WHERE current_setting('outbox_relay.claimed', true) = 'true'
-      AND tenant_id >= $1 AND tenant_id <= $1 AND published_at IS NULL
+      AND tenant_id >= $1 AND tenant_id <= $1 AND published_at IS NULL AND id > $6::bigint
     ORDER BY tenant_id, id
     LIMIT $2
 ), costed AS (
