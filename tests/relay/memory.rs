@@ -117,3 +117,57 @@ async fn batches_stop_at_the_budget_and_rows_larger_than_a_share_go_out_whole_in
     broker.delete().await;
     outbox.drop_schema().await;
 }
+
+/// Full batches of one tenant follow each other in one transaction, each read
+/// while the one before is confirmed; a row larger than a share at the start
+/// of the batch read ahead ends the chain there and is read on its own by the
+/// next sweep. Every row arrives once, whole, in order, with no second poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_row_at_the_head_of_the_batch_read_ahead_goes_out_whole_in_order() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let mut config = config(&outbox, &broker, &["mixed"]);
+    config.max_payload_bytes = 1024 * KIB;
+    config.max_bytes_in_flight = least_for(config.max_payload_bytes);
+    config.batch_size = 10;
+    config.max_in_flight = 10;
+    config.poll_ms = 60_000;
+    // Small rows fill batches of 10 within a share (about 1 MiB); the large
+    // one (about 1.8 MiB to hold) heads the third batch.
+    let mut rows = Vec::new();
+    for n in 0..35 {
+        let bytes = if n == 20 { 900 * KIB } else { KIB };
+        let body = payload("mixed", n, bytes);
+        rows.push((
+            outbox.insert("mixed", "k", "s", Some(&body), None).await,
+            body,
+        ));
+    }
+    let relay = start_relay(config).await;
+    eventually(
+        "every row arrives without a second poll",
+        Duration::from_secs(20),
+        || async { outbox.pending("mixed").await == 0 && broker.count() >= rows.len() },
+    )
+    .await;
+    let metrics = relay.get("/metrics").await.1;
+    relay.stop().await;
+    let received = broker.received();
+    let expected: Vec<i64> = rows.iter().map(|(id, _)| *id).collect();
+    assert_eq!(
+        by_tenant(&received)["mixed"],
+        expected,
+        "once each, in order"
+    );
+    for (id, body) in &rows {
+        let message = received.iter().find(|r| r.id == *id).unwrap();
+        assert!(message.body == body.as_bytes(), "row {id} arrives whole");
+    }
+    assert_eq!(
+        metric(&metrics, "outbox_published_total{tenant=\"mixed\"}"),
+        Some(rows.len() as f64),
+        "each row counted once:\n{metrics}"
+    );
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
