@@ -15,7 +15,7 @@ use deadpool_postgres::{ClientWrapper, Object};
 use tokio_postgres::types::Type;
 
 use crate::config::Config;
-use crate::store::{Store, StoreError, quote_ident};
+use crate::store::{Store, StoreError, quote_ident, within};
 
 pub use check::{Missing, SchemaReport, TRIGGER, check_schema};
 pub use split::{concurrent_index_name, statements};
@@ -196,20 +196,27 @@ pub async fn apply(
     // A connection of its own, closed when done: nothing a migration sets in
     // the session, nor its session lock, goes back to the pool.
     let mut client = Object::take(store.connection().await?);
-    let recorded = bounded(MIGRATION_TIMEOUT, prepare(&mut client, config)).await?;
+    let recorded = within(
+        "a migration",
+        MIGRATION_TIMEOUT,
+        prepare(&mut client, config),
+    )
+    .await?;
     let mut applied = 0;
     for migration in migrations {
         if recorded.contains(&migration.version) {
             continue;
         }
         let ran = if migration.in_transaction() {
-            bounded(
+            within(
+                "a migration",
                 MIGRATION_TIMEOUT,
                 apply_in_transaction(&mut client, config, migration),
             )
             .await?
         } else {
-            bounded(
+            within(
+                "a migration",
                 NO_TRANSACTION_TIMEOUT,
                 apply_outside_transaction(&client, config, migration),
             )
@@ -224,15 +231,6 @@ pub async fn apply(
         tracing::info!(schema = %config.schema, table = %config.table, "migrations up to date");
     }
     Ok(())
-}
-
-async fn bounded<T>(
-    limit: Duration,
-    step: impl Future<Output = Result<T, StoreError>>,
-) -> Result<T, StoreError> {
-    tokio::time::timeout(limit, step)
-        .await
-        .unwrap_or(Err(StoreError::Timeout("a migration", limit)))
 }
 
 /// Creates the schema (when missing) and the record table; returns the

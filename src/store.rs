@@ -603,10 +603,18 @@ async fn deadline<T>(
     what: &'static str,
     work: impl Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
-    match tokio::time::timeout(QUERY_TIMEOUT, work).await {
-        Ok(result) => result,
-        Err(_) => Err(StoreError::Timeout(what, QUERY_TIMEOUT)),
-    }
+    within(what, QUERY_TIMEOUT, work).await
+}
+
+/// `work`, or [`StoreError::Timeout`] naming `what` once `limit` has passed.
+pub(crate) async fn within<T>(
+    what: &'static str,
+    limit: Duration,
+    work: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(limit, work)
+        .await
+        .unwrap_or(Err(StoreError::Timeout(what, limit)))
 }
 
 /// Runs an `UPDATE … WHERE id = ANY($1)` statement; no round trip for no ids.
@@ -648,6 +656,13 @@ struct MarksAhead {
 }
 
 impl MarksAhead {
+    /// Whether a read ahead is still under way.
+    fn reading(&self) -> bool {
+        self.next
+            .as_ref()
+            .is_some_and(|next| matches!(next.as_ref().get_ref(), MaybeDone::Future(_)))
+    }
+
     /// Polls everything sent; ready when every mark has its answer and the
     /// read (if any) is done.
     fn poll_all(&mut self, cx: &mut Context<'_>) -> Poll<()> {
@@ -773,11 +788,10 @@ impl Claim {
 
     /// Whether a read ahead is still under way.
     pub fn reading_ahead(&self) -> bool {
-        let ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
-        ahead
-            .next
-            .as_ref()
-            .is_some_and(|next| matches!(next.as_ref().get_ref(), MaybeDone::Future(_)))
+        self.ahead
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .reading()
     }
 
     /// Drives what was sent ahead (the read, and the marks it holds up)
@@ -787,11 +801,10 @@ impl Claim {
         std::future::poll_fn(|cx| {
             let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
             let _ = ahead.poll_all(cx);
-            match &ahead.next {
-                Some(next) if matches!(next.as_ref().get_ref(), MaybeDone::Future(_)) => {
-                    Poll::Pending
-                }
-                _ => Poll::Ready(()),
+            if ahead.reading() {
+                Poll::Pending
+            } else {
+                Poll::Ready(())
             }
         })
         .await
