@@ -30,7 +30,7 @@ use read::{
     Fallback, Flag, Parse, Render, Rule, SCHEMA_NAME, TABLE_NAME, TenantList, int, keys, parsed,
     short_text,
 };
-pub use target::{AmqpTarget, DATABASE_CONNECT_TIMEOUT, DatabaseTarget};
+pub use target::{AmqpEndpoint, AmqpTarget, DATABASE_CONNECT_TIMEOUT, DatabaseTarget};
 
 /// The prefix of every configuration variable.
 pub const ENV_PREFIX: &str = "OUTBOX_";
@@ -647,7 +647,7 @@ mod tests {
         assert_eq!(c.concurrency, 4);
         assert_eq!(c.pool_size, 6);
         assert_eq!(c.database_url.to_string(), DEFAULT_DATABASE_URL);
-        let amqp = &c.amqp_url.uri;
+        let amqp = &c.amqp_url.endpoints[0].uri;
         assert_eq!(
             (amqp.authority.host.as_str(), amqp.authority.port),
             ("127.0.0.1", 5672)

@@ -110,6 +110,7 @@ pub async fn serve(
     });
     let broker = tokio::spawn(relay.publisher.clone().supervise(rest_stop.clone().fired()));
     let connected_gauge = tokio::spawn(mirror_connected(relay.clone()));
+    let endpoint_gauge = tokio::spawn(mirror_endpoint(relay.clone()));
     let wakeup = (relay.config.wakeup == Wakeup::Notify).then(|| {
         tokio::spawn(wakeup::run(
             relay.config.clone(),
@@ -139,7 +140,11 @@ pub async fn serve(
     stop_rest.fire();
     let _ = broker.await;
     connected_gauge.abort();
+    endpoint_gauge.abort();
     relay.metrics.set_amqp_connected(false);
+    relay
+        .metrics
+        .set_amqp_endpoint(&endpoint_addresses(&relay), None);
     let _ = http.await;
     tracing::info!("outbox-relay stopped");
 }
@@ -205,4 +210,28 @@ async fn mirror_connected(relay: Arc<Relay>) {
             return;
         }
     }
+}
+
+/// Keeps `outbox_amqp_endpoint` in step with the endpoint connected to.
+async fn mirror_endpoint(relay: Arc<Relay>) {
+    let endpoints = endpoint_addresses(&relay);
+    let mut in_use = relay.publisher.watch_endpoint();
+    loop {
+        let index = *in_use.borrow_and_update();
+        relay.metrics.set_amqp_endpoint(&endpoints, index);
+        if in_use.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// The broker endpoints configured, `host:port` each.
+fn endpoint_addresses(relay: &Relay) -> Vec<String> {
+    relay
+        .config
+        .amqp_url
+        .endpoints
+        .iter()
+        .map(|endpoint| endpoint.address())
+        .collect()
 }

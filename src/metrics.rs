@@ -31,6 +31,7 @@ pub struct Metrics {
     lag: GaugeVec,
     tenant_backoff: GaugeVec,
     amqp_connected: IntGauge,
+    amqp_endpoint: IntGaugeVec,
     database_up: IntGauge,
     max_lag: Gauge,
     wakeups: IntCounter,
@@ -104,6 +105,14 @@ impl Metrics {
             "Whether the broker connection is up (1) or not (0).",
         )
         .expect("valid metric");
+        let amqp_endpoint = IntGaugeVec::new(
+            Opts::new(
+                "outbox_amqp_endpoint",
+                "The broker endpoint (host:port) the relay is connected to: 1 for the one in use, 0 for the others configured.",
+            ),
+            &["endpoint"],
+        )
+        .expect("valid metric");
         let database_up = IntGauge::new(
             "outbox_database_up",
             "Whether the last poll reached the database (1) or not (0); a poll the server answered with an error reached it.",
@@ -142,6 +151,7 @@ impl Metrics {
             Box::new(lag.clone()),
             Box::new(tenant_backoff.clone()),
             Box::new(amqp_connected.clone()),
+            Box::new(amqp_endpoint.clone()),
             Box::new(database_up.clone()),
             Box::new(max_lag.clone()),
             Box::new(wakeups.clone()),
@@ -179,6 +189,7 @@ impl Metrics {
             lag,
             tenant_backoff,
             amqp_connected,
+            amqp_endpoint,
             database_up,
             max_lag,
             wakeups,
@@ -244,6 +255,20 @@ impl Metrics {
         self.amqp_connected.set(i64::from(connected));
     }
 
+    /// The broker endpoints configured, `host:port` each, the one connected
+    /// to (by index) at 1 and every other at 0; a series per endpoint, so
+    /// the labels are bounded by configuration.
+    pub fn set_amqp_endpoint(&self, endpoints: &[String], in_use: Option<usize>) {
+        for (index, endpoint) in endpoints.iter().enumerate() {
+            if Some(index) != in_use {
+                self.amqp_endpoint.with_label_values(&[endpoint]).set(0);
+            }
+        }
+        if let Some(endpoint) = in_use.and_then(|index| endpoints.get(index)) {
+            self.amqp_endpoint.with_label_values(&[endpoint]).set(1);
+        }
+    }
+
     /// The lag budget (`max_lag_ms`), for alerts and dashboards.
     pub fn set_max_lag(&self, max_lag: Duration) {
         self.max_lag.set(max_lag.as_secs_f64());
@@ -293,6 +318,38 @@ mod tests {
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }
+    }
+
+    #[test]
+    fn the_endpoint_gauge_names_the_one_in_use() {
+        let metrics = Metrics::new(&[]);
+        let endpoints = ["mq-0:5672".to_string(), "mq-1:5672".to_string()];
+        metrics.set_amqp_endpoint(&endpoints, None);
+        let text = metrics.render();
+        assert_eq!(
+            value(&text, "outbox_amqp_endpoint{endpoint=\"mq-0:5672\"}"),
+            0.0
+        );
+        metrics.set_amqp_endpoint(&endpoints, Some(1));
+        let text = metrics.render();
+        assert_eq!(
+            value(&text, "outbox_amqp_endpoint{endpoint=\"mq-0:5672\"}"),
+            0.0
+        );
+        assert_eq!(
+            value(&text, "outbox_amqp_endpoint{endpoint=\"mq-1:5672\"}"),
+            1.0
+        );
+        metrics.set_amqp_endpoint(&endpoints, Some(0));
+        let text = metrics.render();
+        assert_eq!(
+            value(&text, "outbox_amqp_endpoint{endpoint=\"mq-0:5672\"}"),
+            1.0
+        );
+        assert_eq!(
+            value(&text, "outbox_amqp_endpoint{endpoint=\"mq-1:5672\"}"),
+            0.0
+        );
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! RabbitMQ: one connection, kept up by a supervisor that reconnects with
-//! back-off; one confirm-mode channel shared by the sweeps (see `confirms`);
+//! back-off, rotating through the configured endpoints (see `rotation`); one
+//! confirm-mode channel shared by the sweeps (see `confirms`);
 //! and the publishing of a batch with at most `max_in_flight` unconfirmed
 //! messages.
 //!
@@ -18,6 +19,7 @@
 
 mod confirms;
 mod isolation;
+mod rotation;
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -33,18 +35,21 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
 use crate::backoff::Backoff;
-use crate::config::{AmqpTarget, Config};
+use crate::config::{AmqpEndpoint, AmqpTarget, Config};
 use crate::domain::{BatchReport, FailureReason, Lease, OutboxRow, Refusal};
 use crate::envelope::Envelope;
 use confirms::{Batch, ConfirmChannel};
 use isolation::Isolation;
+use rotation::Rotation;
 
-/// Deadline for connecting (TCP, TLS, AMQP handshake) and for opening a channel.
+/// Deadline for connecting to one endpoint (TCP, TLS, AMQP handshake) and
+/// for opening a channel.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// The confirmed prefix is reported (see [`Progress::Confirmed`]) in steps
 /// of this many rows while the rest of a batch is still being confirmed.
 pub const PROGRESS_STEP: usize = 64;
-/// Reconnect back-off: from this…
+/// Reconnect back-off, after a lost connection and after each round of
+/// endpoints that all failed: from this…
 const RECONNECT_MIN: Duration = Duration::from_millis(250);
 /// …to this.
 const RECONNECT_MAX: Duration = Duration::from_secs(10);
@@ -95,6 +100,8 @@ pub enum Progress {
 
 /// A live connection and the confirm-mode channel its sweeps share.
 struct Session {
+    /// Which of the target's endpoints it is connected to.
+    endpoint: usize,
     connection: Connection,
     confirm_channel: tokio::sync::Mutex<Option<Arc<ConfirmChannel>>>,
     broken: Notify,
@@ -158,6 +165,8 @@ struct Inner {
     confirm_timeout: Duration,
     session: Mutex<Option<Arc<Session>>>,
     connected: watch::Sender<bool>,
+    /// The endpoint connected to, by its index in the target.
+    endpoint: watch::Sender<Option<usize>>,
     /// Rows to send alone, and what the broker's refusals taught.
     isolation: Arc<Isolation>,
 }
@@ -194,6 +203,7 @@ impl Publisher {
             other => ExchangeKind::Custom(other.to_string()),
         };
         let (connected, _) = watch::channel(false);
+        let (endpoint, _) = watch::channel(None);
         Ok(Publisher {
             inner: Arc::new(Inner {
                 target: config.amqp_url.clone(),
@@ -209,6 +219,7 @@ impl Publisher {
                 confirm_timeout: config.confirm_timeout(),
                 session: Mutex::new(None),
                 connected,
+                endpoint,
                 isolation: Arc::new(Isolation::new(&config.exchange, config.declare_exchange)),
             }),
         })
@@ -224,6 +235,12 @@ impl Publisher {
         self.inner.connected.subscribe()
     }
 
+    /// A receiver that changes whenever the endpoint connected to does
+    /// (`None`: not connected); the index is into the target's endpoints.
+    pub fn watch_endpoint(&self) -> watch::Receiver<Option<usize>> {
+        self.inner.endpoint.subscribe()
+    }
+
     fn session(&self) -> Option<Arc<Session>> {
         self.inner
             .session
@@ -233,26 +250,32 @@ impl Publisher {
     }
 
     fn set_session(&self, session: Option<Arc<Session>>) {
-        let up = session.is_some();
+        let endpoint = session.as_ref().map(|s| s.endpoint);
         *self.inner.session.lock().unwrap_or_else(|e| e.into_inner()) = session;
-        self.inner.connected.send_replace(up);
+        self.inner.connected.send_replace(endpoint.is_some());
+        self.inner.endpoint.send_replace(endpoint);
     }
 
-    /// Keeps a connection up until `shutdown` resolves, then closes it cleanly.
+    /// Keeps a connection up until `shutdown` resolves, then closes it
+    /// cleanly. Each round tries the endpoints in turn (see [`Rotation`]),
+    /// each within [`CONNECT_TIMEOUT`]; the back-off grows with the rounds
+    /// that all failed. A lost connection moves on to the next endpoint.
     pub async fn supervise(self, shutdown: impl Future<Output = ()>) {
         tokio::pin!(shutdown);
         let backoff = Backoff::new(RECONNECT_MIN, RECONNECT_MAX);
-        let mut failures = 0u32;
+        let mut rotation = Rotation::new(self.inner.target.endpoints.len());
+        let mut failed_rounds = 0u32;
         loop {
-            let attempt = tokio::time::timeout(CONNECT_TIMEOUT, self.connect());
-            let result = tokio::select! {
-                result = attempt => result,
+            let connected = tokio::select! {
+                connected = self.connect_round(&rotation) => connected,
                 () = &mut shutdown => break,
             };
-            match result {
-                Ok(Ok(session)) => {
-                    failures = 0;
-                    tracing::info!(url = %self.inner.target, "connected to the broker");
+            match connected {
+                Some(session) => {
+                    failed_rounds = 0;
+                    rotation.worked(session.endpoint);
+                    let endpoint = self.inner.target.endpoints[session.endpoint].address();
+                    tracing::info!(%endpoint, "connected to the broker");
                     self.set_session(Some(session.clone()));
                     let reason = tokio::select! {
                         reason = watch_session(&session) => reason,
@@ -262,7 +285,8 @@ impl Publisher {
                         }
                     };
                     self.set_session(None);
-                    tracing::warn!(reason = %reason, "broker connection lost; reconnecting");
+                    rotation.lost(session.endpoint);
+                    tracing::warn!(%endpoint, reason = %reason, "broker connection lost; reconnecting");
                     // Close what is left so the broker sees the end, without waiting long.
                     let _ = tokio::time::timeout(
                         Duration::from_secs(1),
@@ -270,16 +294,9 @@ impl Publisher {
                     )
                     .await;
                 }
-                Ok(Err(error)) => {
-                    failures = failures.saturating_add(1);
-                    tracing::warn!(url = %self.inner.target, %error, "cannot connect to the broker");
-                }
-                Err(_) => {
-                    failures = failures.saturating_add(1);
-                    tracing::warn!(url = %self.inner.target, timeout = ?CONNECT_TIMEOUT, "cannot connect to the broker: timed out");
-                }
+                None => failed_rounds = failed_rounds.saturating_add(1),
             }
-            let delay = backoff.delay(failures.saturating_sub(1));
+            let delay = backoff.delay(failed_rounds.saturating_sub(1));
             tokio::select! {
                 () = tokio::time::sleep(delay) => {}
                 () = &mut shutdown => break,
@@ -288,14 +305,38 @@ impl Publisher {
         self.close().await;
     }
 
-    async fn connect(&self) -> Result<Arc<Session>, lapin::Error> {
-        let connection = open_connection(&self.inner.target, "outbox-relay").await?;
+    /// One round of connection attempts: the endpoints in the rotation's
+    /// order, each within [`CONNECT_TIMEOUT`], until one connects.
+    async fn connect_round(&self, rotation: &Rotation) -> Option<Arc<Session>> {
+        for index in rotation.round() {
+            let target = &self.inner.target.endpoints[index];
+            let endpoint = target.address();
+            match tokio::time::timeout(CONNECT_TIMEOUT, self.connect(index, target)).await {
+                Ok(Ok(session)) => return Some(session),
+                Ok(Err(error)) => {
+                    tracing::warn!(%endpoint, %error, "cannot connect to the broker");
+                }
+                Err(_) => {
+                    tracing::warn!(%endpoint, timeout = ?CONNECT_TIMEOUT, "cannot connect to the broker: timed out");
+                }
+            }
+        }
+        None
+    }
+
+    async fn connect(
+        &self,
+        index: usize,
+        target: &AmqpEndpoint,
+    ) -> Result<Arc<Session>, lapin::Error> {
+        let connection = open_connection(target, "outbox-relay").await?;
         if self.inner.declare_exchange {
             let channel = connection.create_channel().await?;
             self.inner.declare_exchange(&channel).await?;
             let _ = channel.close(200, "declared".into()).await;
         }
         Ok(Arc::new(Session {
+            endpoint: index,
             connection,
             confirm_channel: tokio::sync::Mutex::new(None),
             broken: Notify::new(),
@@ -611,9 +652,29 @@ fn is_channel_level(error: &lapin::Error) -> bool {
     )
 }
 
+/// A connection to the first of `target`'s endpoints that takes one, tried
+/// in order; the last endpoint's error if none does.
+pub async fn open_first(target: &AmqpTarget, name: &str) -> Result<Connection, lapin::Error> {
+    let mut endpoints = target.endpoints.iter();
+    let mut last = endpoints.next().expect("a target has an endpoint");
+    for next in endpoints {
+        match open_connection(last, name).await {
+            Ok(connection) => return Ok(connection),
+            Err(error) => {
+                tracing::debug!(endpoint = %last.address(), %error, "cannot connect; trying the next endpoint");
+            }
+        }
+        last = next;
+    }
+    open_connection(last, name).await
+}
+
 /// A connection to `target` named `name` (as the broker's management shows
 /// it), over TLS with the relay's own client configuration for `amqps://`.
-pub async fn open_connection(target: &AmqpTarget, name: &str) -> Result<Connection, lapin::Error> {
+pub async fn open_connection(
+    target: &AmqpEndpoint,
+    name: &str,
+) -> Result<Connection, lapin::Error> {
     let properties = ConnectionProperties::default().with_connection_name(name.into());
     match target.tls.clone() {
         None => Connection::connect_uri(target.uri.clone(), properties).await,

@@ -16,7 +16,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 
 use crate::config::Config;
-use crate::publisher::open_connection;
+use crate::publisher::open_first;
 
 /// The widest body shown on a line.
 const BODY_WIDTH: usize = 200;
@@ -47,7 +47,7 @@ pub async fn run(
     out: &mut (dyn Write + Send),
     stop: impl Future<Output = ()>,
 ) -> Result<(), TailError> {
-    let connection = open_connection(&config.amqp_url, "outbox-relay tail")
+    let connection = open_first(&config.amqp_url, "outbox-relay tail")
         .await
         .map_err(|source| TailError::Connect {
             url: config.amqp_url.to_string(),

@@ -160,13 +160,111 @@ impl FromStr for DatabaseTarget {
     }
 }
 
-/// The broker to publish to.
+/// The broker to publish to: one endpoint or several (nodes of one
+/// cluster), tried in order and rotated on failure by the publisher.
 #[derive(Clone)]
 pub struct AmqpTarget {
+    /// At least one; all of the same scheme and virtual host.
+    pub endpoints: Vec<AmqpEndpoint>,
+    redacted: String,
+}
+
+/// One broker node to connect to.
+#[derive(Clone)]
+pub struct AmqpEndpoint {
     pub uri: AMQPUri,
     /// TLS for `amqps://`; `None` for `amqp://`.
     pub tls: Option<AmqpTls>,
     redacted: String,
+}
+
+impl AmqpEndpoint {
+    /// `host:port`, as logs and the `outbox_amqp_endpoint` gauge name it:
+    /// never the user name or the password.
+    pub fn address(&self) -> String {
+        format!("{}:{}", self.uri.authority.host, self.uri.authority.port)
+    }
+}
+
+impl FromStr for AmqpTarget {
+    type Err = String;
+
+    /// Parses one `amqp[s]://` URL or several, comma-separated: the list is
+    /// cut only where a comma is followed by `amqp://` or `amqps://`, so a
+    /// comma in a password or a parameter stays in its URL. Each endpoint
+    /// is parsed as on its own; an error names it by its position, never
+    /// quoting it.
+    fn from_str(list: &str) -> Result<AmqpTarget, String> {
+        if list.trim_end().ends_with(',') {
+            return Err("ends with a comma: list endpoints as amqp://…,amqp://…".into());
+        }
+        let parts = split_endpoints(list);
+        let count = parts.len();
+        let at = |index: usize, error: String| {
+            if count == 1 {
+                error
+            } else {
+                format!("endpoint {} of {count}: {error}", index + 1)
+            }
+        };
+        let mut endpoints: Vec<AmqpEndpoint> = Vec::with_capacity(count);
+        for (index, part) in parts.into_iter().enumerate() {
+            let endpoint: AmqpEndpoint = part.parse().map_err(|error| at(index, error))?;
+            if let Some(first) = endpoints.first() {
+                if endpoint.uri.scheme != first.uri.scheme {
+                    return Err(at(
+                        index,
+                        "mixes amqp:// and amqps://: every endpoint must use the same scheme, \
+                         so that a failover never falls back to a plain connection"
+                            .into(),
+                    ));
+                }
+                if endpoint.uri.vhost != first.uri.vhost {
+                    return Err(at(
+                        index,
+                        "names another virtual host than endpoint 1: the endpoints are nodes \
+                         of one cluster and must name the same one"
+                            .into(),
+                    ));
+                }
+            }
+            endpoints.push(endpoint);
+        }
+        let redacted = endpoints
+            .iter()
+            .map(|endpoint| endpoint.redacted.as_str())
+            .collect::<Vec<_>>()
+            .join(",");
+        Ok(AmqpTarget {
+            endpoints,
+            redacted,
+        })
+    }
+}
+
+/// `list` cut where a new URL starts: at each comma followed (after optional
+/// white space) by `amqp://` or `amqps://`, in any case. Parts are trimmed.
+fn split_endpoints(list: &str) -> Vec<&str> {
+    let mut parts = Vec::new();
+    let mut start = 0;
+    for (comma, _) in list.match_indices(',') {
+        if starts_with_amqp_scheme(list[comma + 1..].trim_start()) {
+            parts.push(list[start..comma].trim());
+            start = comma + 1;
+        }
+    }
+    parts.push(list[start..].trim());
+    parts
+}
+
+/// Whether `text` starts with `amqp://` or `amqps://`, in any case.
+fn starts_with_amqp_scheme(text: &str) -> bool {
+    let starts = |scheme: &[u8]| {
+        text.as_bytes()
+            .get(..scheme.len())
+            .is_some_and(|head| head.eq_ignore_ascii_case(scheme))
+    };
+    starts(b"amqp://") || starts(b"amqps://")
 }
 
 /// An `amqps://` target's TLS, from RabbitMQ's URI parameters (`cacertfile`,
@@ -188,13 +286,13 @@ const AMQP_TLS_KEYS: [&str; 5] = [
     "server_name_indication",
 ];
 
-impl FromStr for AmqpTarget {
+impl FromStr for AmqpEndpoint {
     type Err = String;
 
     /// Parses an `amqp://` or `amqps://` URL and reads the TLS files it
     /// names; the error never contains the URL.
-    fn from_str(url: &str) -> Result<AmqpTarget, String> {
-        if !(url.starts_with("amqp://") || url.starts_with("amqps://")) {
+    fn from_str(url: &str) -> Result<AmqpEndpoint, String> {
+        if !starts_with_amqp_scheme(url) {
             return Err("must start with amqp:// or amqps://".into());
         }
         misplaced_userinfo(url)?;
@@ -252,7 +350,7 @@ impl FromStr for AmqpTarget {
             }
         };
         let redacted = shown_amqp(&uri, &query);
-        Ok(AmqpTarget { uri, tls, redacted })
+        Ok(AmqpEndpoint { uri, tls, redacted })
     }
 }
 
@@ -363,7 +461,7 @@ fn shown_amqp(uri: &AMQPUri, tls: &[(String, String)]) -> String {
     shown
 }
 
-/// Both targets print as their URL with the password masked.
+/// The targets print as their URL with the password masked.
 macro_rules! shown_redacted {
     ($($target:ty),*) => {$(
         impl fmt::Display for $target {
@@ -379,7 +477,7 @@ macro_rules! shown_redacted {
         }
     )*};
 }
-shown_redacted!(DatabaseTarget, AmqpTarget);
+shown_redacted!(DatabaseTarget, AmqpTarget, AmqpEndpoint);
 
 #[cfg(test)]
 mod tests {
@@ -571,7 +669,7 @@ mod tests {
             path("client.pem"),
             path("client.key")
         );
-        let target: AmqpTarget = url.parse().unwrap();
+        let target: AmqpEndpoint = url.parse().unwrap();
         let tls = target.tls.as_ref().unwrap();
         assert_eq!(tls.server_name, "mq");
         assert!(tls.config.enable_sni);
@@ -580,21 +678,21 @@ mod tests {
         assert!(!target.to_string().contains("pa55"), "{target}");
         assert!(target.to_string().contains("cacertfile="), "{target}");
 
-        let named: AmqpTarget = format!(
+        let named: AmqpEndpoint = format!(
             "amqps://mq/%2f?cacertfile={}&server_name_indication=rabbit.internal",
             path("ca.pem")
         )
         .parse()
         .unwrap();
         assert_eq!(named.tls.unwrap().server_name, "rabbit.internal");
-        let unnamed: AmqpTarget = format!(
+        let unnamed: AmqpEndpoint = format!(
             "amqps://mq/%2f?cacertfile={}&server_name_indication=disable",
             path("ca.pem")
         )
         .parse()
         .unwrap();
         assert!(!unnamed.tls.unwrap().config.enable_sni);
-        let plain: AmqpTarget = "amqp://mq/%2f".parse().unwrap();
+        let plain: AmqpEndpoint = "amqp://mq/%2f".parse().unwrap();
         assert!(plain.tls.is_none());
 
         for (bad, says) in [
@@ -636,10 +734,63 @@ mod tests {
     #[test]
     fn amqp_urls_get_a_heartbeat_and_never_print_their_password() {
         let target: AmqpTarget = "amqp://u:pa55@mq:5672/%2f".parse().unwrap();
-        assert_eq!(target.uri.query.heartbeat, Some(DEFAULT_HEARTBEAT_SECS));
+        assert_eq!(
+            target.endpoints[0].uri.query.heartbeat,
+            Some(DEFAULT_HEARTBEAT_SECS)
+        );
         assert_eq!(target.to_string(), "amqp://u:***@mq:5672/%2f");
         assert!(!format!("{target:?}").contains("pa55"));
         let error = "http://u:pa55@mq/".parse::<AmqpTarget>().unwrap_err();
         assert!(!error.contains("pa55"), "{error}");
+    }
+
+    #[test]
+    fn several_endpoints_are_cut_only_where_a_new_url_starts() {
+        let target: AmqpTarget =
+            "amqp://u:pa,55@mq-0:5672/%2f, AMQP://u:pa,55@mq-1/%2f,amqp://mq-2:5673/%2f"
+                .parse()
+                .unwrap();
+        let addresses: Vec<String> = target.endpoints.iter().map(AmqpEndpoint::address).collect();
+        assert_eq!(addresses, ["mq-0:5672", "mq-1:5672", "mq-2:5673"]);
+        assert_eq!(target.endpoints[0].uri.authority.userinfo.password, "pa,55");
+        assert_eq!(target.endpoints[1].uri.authority.userinfo.password, "pa,55");
+        assert_eq!(
+            target.to_string(),
+            "amqp://u:***@mq-0:5672/%2f,amqp://u:***@mq-1:5672/%2f,amqp://guest:***@mq-2:5673/%2f"
+        );
+        assert!(!format!("{target:?}").contains("pa,55"));
+        let one: AmqpTarget = "amqp://u:a,b,c@mq/%2f".parse().unwrap();
+        assert_eq!(one.endpoints.len(), 1);
+        assert_eq!(one.endpoints[0].uri.authority.userinfo.password, "a,b,c");
+    }
+
+    #[test]
+    fn a_bad_endpoint_is_named_by_its_position_and_never_quoted() {
+        for (list, says) in [
+            (
+                "amqp://u:pa,55@mq-0/%2f,amqp://u:pa,55@mq-1:port/%2f",
+                "endpoint 2 of 2: not a valid AMQP URL",
+            ),
+            (
+                "amqp://u:pa,55@mq-0/%2f,amqps://u:pa,55@mq-1/%2f",
+                "endpoint 2 of 2: mixes amqp:// and amqps://",
+            ),
+            (
+                "amqp://u:pa,55@mq-0/%2f,amqp://u:pa,55@mq-1/%2f,amqp://u:pa,55@mq-2/other",
+                "endpoint 3 of 3: names another virtual host",
+            ),
+            (
+                "amqp://u:pa/55@mq-0/%2f, amqp://mq-1/%2f",
+                "endpoint 1 of 2: the part before `@`",
+            ),
+            ("amqp://u:pa,55@mq-0/%2f, ", "ends with a comma"),
+        ] {
+            let error = list.parse::<AmqpTarget>().unwrap_err();
+            assert!(error.contains(says), "{list}: {error}");
+            assert!(
+                !error.contains("pa,55") && !error.contains("55@"),
+                "{error}"
+            );
+        }
     }
 }
