@@ -74,7 +74,7 @@ keys! {
     schema: String ["NAME"] = "public".to_string(), SCHEMA_NAME;
     /// Name of the outbox table
     table: String ["NAME"] = "outbox_message".to_string(), TABLE_NAME;
-    /// RabbitMQ URL [env: OUTBOX_AMQP_URL, AMQP_URL]
+    /// RabbitMQ URL, or several comma-separated (nodes of one cluster, tried in order) [env: OUTBOX_AMQP_URL, AMQP_URL]
     amqp_url: AmqpTarget ["URL"] = default_target::<AmqpTarget>(DEFAULT_AMQP_URL), parsed(), env "AMQP_URL";
     /// Exchange to publish to
     exchange: String ["NAME"] = "outbox".to_string(), short_text();

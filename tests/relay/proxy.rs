@@ -1,7 +1,7 @@
 //! A TCP proxy owned by a test, between the relay and the broker or the
 //! database. It passes bytes, delays them, stalls (keeps the connection open
 //! and drops every byte: a half-open path), resets every connection (RST), or
-//! refuses new ones.
+//! refuses new ones; both at once are the node behind it dying.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -81,6 +81,13 @@ impl Proxy {
         for task in self.shared.connections.lock().unwrap().drain(..) {
             task.abort();
         }
+    }
+
+    /// The node behind it dies: every open connection is reset and new
+    /// ones are refused.
+    pub fn kill(&self) {
+        self.set(Mode::Refuse);
+        self.reset();
     }
 
     /// Connections accepted so far.
