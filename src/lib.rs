@@ -144,7 +144,7 @@ pub async fn serve(
     relay.metrics.set_amqp_connected(false);
     relay
         .metrics
-        .set_amqp_endpoint(&endpoint_addresses(&relay), None);
+        .set_amqp_endpoint(&relay.config.amqp_url.addresses(), None);
     let _ = http.await;
     tracing::info!("outbox-relay stopped");
 }
@@ -214,7 +214,7 @@ async fn mirror_connected(relay: Arc<Relay>) {
 
 /// Keeps `outbox_amqp_endpoint` in step with the endpoint connected to.
 async fn mirror_endpoint(relay: Arc<Relay>) {
-    let endpoints = endpoint_addresses(&relay);
+    let endpoints = relay.config.amqp_url.addresses();
     let mut in_use = relay.publisher.watch_endpoint();
     loop {
         let index = *in_use.borrow_and_update();
@@ -223,15 +223,4 @@ async fn mirror_endpoint(relay: Arc<Relay>) {
             return;
         }
     }
-}
-
-/// The broker endpoints configured, `host:port` each.
-fn endpoint_addresses(relay: &Relay) -> Vec<String> {
-    relay
-        .config
-        .amqp_url
-        .endpoints
-        .iter()
-        .map(|endpoint| endpoint.address())
-        .collect()
 }

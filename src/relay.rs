@@ -121,6 +121,8 @@ pub struct Relay {
 impl Relay {
     pub fn new(config: Arc<Config>, store: Store, publisher: Publisher, metrics: Metrics) -> Relay {
         metrics.set_max_lag(Duration::from_millis(config.max_lag_ms));
+        // Every configured endpoint's series, at 0 until connected.
+        metrics.set_amqp_endpoint(&config.amqp_url.addresses(), None);
         Relay {
             budget: ByteBudget::new(config.max_bytes_in_flight),
             budget_share: config.max_bytes_in_flight / config.concurrency,

@@ -178,6 +178,13 @@ pub struct AmqpEndpoint {
     redacted: String,
 }
 
+impl AmqpTarget {
+    /// Each endpoint's `host:port`, in list order.
+    pub fn addresses(&self) -> Vec<String> {
+        self.endpoints.iter().map(AmqpEndpoint::address).collect()
+    }
+}
+
 impl AmqpEndpoint {
     /// `host:port`, as logs and the `outbox_amqp_endpoint` gauge name it:
     /// never the user name or the password.

@@ -140,7 +140,13 @@ async fn every_metric_in_the_rules_and_the_dashboard_is_one_the_relay_exposes() 
     let addr = serve_router().await;
     let (status, scraped) = http_get(addr, "/metrics").await;
     assert_eq!(status, 200, "/metrics answers 200");
-    let rendered = Metrics::new(&["a".to_string()]).render();
+    // The endpoint gauge's series come from the configured endpoints, as
+    // the relay sets them when it is built.
+    let rendered = {
+        let metrics = Metrics::new(&["a".to_string()]);
+        metrics.set_amqp_endpoint(&["127.0.0.1:9".to_string()], None);
+        metrics.render()
+    };
 
     for path in [RULES, DASHBOARD] {
         let names = metric_names(&read(path));
@@ -494,6 +500,82 @@ fn the_manifests_are_restricted_sized_and_replicated() {
 }
 
 #[test]
+fn the_standalone_variant_survives_a_node_a_zone_and_a_drain() {
+    let documents = yaml_documents(STANDALONE);
+    let (pod, _) = relay_container(&documents, STANDALONE);
+    let deployment = one(&documents, "Deployment", STANDALONE);
+    let pod_labels = deployment
+        .get("spec")
+        .and_then(|s| s.get("template"))
+        .and_then(|t| t.get("metadata"))
+        .and_then(|m| m.get("labels"))
+        .expect("the pod template's labels");
+    let selects_the_pods = |selector: Option<&Value>| {
+        let wanted = selector
+            .and_then(|s| s.get("matchLabels"))
+            .and_then(Value::as_mapping)
+            .filter(|wanted| !wanted.is_empty());
+        wanted.is_some_and(|wanted| {
+            wanted
+                .iter()
+                .all(|(key, value)| pod_labels.get(key) == Some(value))
+        })
+    };
+
+    let spread: Vec<&str> = seq(pod, "topologySpreadConstraints")
+        .iter()
+        .filter(|c| selects_the_pods(c.get("labelSelector")))
+        .filter_map(|c| str_at(c, "topologyKey"))
+        .collect();
+    for key in ["kubernetes.io/hostname", "topology.kubernetes.io/zone"] {
+        assert!(
+            spread.contains(&key),
+            "{STANDALONE}: replicas spread over {key}: {spread:?}"
+        );
+    }
+
+    let budget = one(&documents, "PodDisruptionBudget", STANDALONE);
+    assert_eq!(str_at(budget, "apiVersion"), Some("policy/v1"));
+    let spec = budget.get("spec").expect("spec");
+    assert!(
+        selects_the_pods(spec.get("selector")),
+        "{STANDALONE}: the budget selects the relay's pods"
+    );
+    let replicas = deployment
+        .get("spec")
+        .and_then(|s| s.get("replicas"))
+        .and_then(Value::as_u64)
+        .unwrap_or(1);
+    let available_during_a_drain = match (
+        spec.get("maxUnavailable").and_then(Value::as_u64),
+        spec.get("minAvailable").and_then(Value::as_u64),
+    ) {
+        (Some(unavailable), None) => replicas.saturating_sub(unavailable),
+        (None, Some(available)) => available,
+        other => {
+            panic!("{STANDALONE}: one of maxUnavailable or minAvailable, as a number: {other:?}")
+        }
+    };
+    assert!(
+        (1..replicas).contains(&available_during_a_drain),
+        "{STANDALONE}: a drain keeps a relay running ({available_during_a_drain} of {replicas}) and can proceed"
+    );
+
+    // The Secret's broker URL lists a cluster's nodes, all over TLS.
+    let env = relay_env(&documents, STANDALONE);
+    let config = load(Some(&configmap_file(&documents, STANDALONE)), env);
+    let endpoints = &config.amqp_url.endpoints;
+    assert!(
+        endpoints.len() >= 2,
+        "{STANDALONE}: several broker endpoints in the Secret"
+    );
+    assert!(
+        endpoints.iter().all(|e| e.tls.is_some()),
+        "{STANDALONE}: every endpoint over TLS"
+    );
+}
+
+#[test]
 fn the_podmonitor_selects_both_variants_by_port_name() {
     let monitor = yaml(PODMONITOR);
     assert_eq!(
@@ -671,6 +753,13 @@ fn a_metrics_sample_is_left_for_promtool() {
     metrics.set_lag("globex", 75_500);
     metrics.set_backoff("globex", Duration::from_millis(1_600));
     metrics.set_amqp_connected(true);
+    metrics.set_amqp_endpoint(
+        &[
+            "rabbitmq-server-0.rabbitmq-nodes:5671".to_string(),
+            "rabbitmq-server-1.rabbitmq-nodes:5671".to_string(),
+        ],
+        Some(1),
+    );
     metrics.set_database_up(true);
     let text = metrics.render();
     for line in [
