@@ -1008,7 +1008,8 @@ mod tests {
     fn no_password_shape_ever_shows_in_any_output() {
         let core = "Zq9xW";
         let specials = [
-            "", "#", "/", "?", "@", ":", " ", "'", "\"", "%", "&", "=", "\\", "#/?@", "a b c",
+            "", "#", "/", "?", "@", ":", " ", "'", "\"", "%", "&", "=", "\\", "#/?@", "a b c", ",",
+            ",amqp://",
         ];
         let mut shapes: Vec<(&str, String)> = Vec::new();
         for special in specials {
@@ -1036,6 +1037,8 @@ mod tests {
                 for url in [
                     format!("amqp://app:{password}@mq:5672/%2f"),
                     format!("amqps://app:{password}@mq/vh"),
+                    format!("amqp://app:{password}@mq-0/%2f,amqp://app:{password}@mq-1/%2f"),
+                    format!("amqp://mq-0/%2f, amqp://app:{password}@mq-1:port/%2f"),
                 ] {
                     shapes.push(("OUTBOX_AMQP_URL", url));
                 }

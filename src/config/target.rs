@@ -164,7 +164,7 @@ impl FromStr for DatabaseTarget {
 /// cluster), tried in order and rotated on failure by the publisher.
 #[derive(Clone)]
 pub struct AmqpTarget {
-    /// At least one; all of the same scheme and virtual host.
+    /// At least one; all of the same scheme, user and virtual host.
     pub endpoints: Vec<AmqpEndpoint>,
     redacted: String,
 }
@@ -223,6 +223,17 @@ impl FromStr for AmqpTarget {
                         index,
                         "mixes amqp:// and amqps://: every endpoint must use the same scheme, \
                          so that a failover never falls back to a plain connection"
+                            .into(),
+                    ));
+                }
+                if endpoint.uri.authority.userinfo.username != first.uri.authority.userinfo.username
+                {
+                    // Also what refuses a password holding `,amqp://`
+                    // unencoded: its tail would be the next endpoint's user.
+                    return Err(at(
+                        index,
+                        "names another user than endpoint 1: users are the cluster's, \
+                         the same on every node"
                             .into(),
                     ));
                 }
@@ -754,7 +765,7 @@ mod tests {
     #[test]
     fn several_endpoints_are_cut_only_where_a_new_url_starts() {
         let target: AmqpTarget =
-            "amqp://u:pa,55@mq-0:5672/%2f, AMQP://u:pa,55@mq-1/%2f,amqp://mq-2:5673/%2f"
+            "amqp://u:pa,55@mq-0:5672/%2f, AMQP://u:pa,55@mq-1/%2f,amqp://u:pa,55@mq-2:5673/%2f"
                 .parse()
                 .unwrap();
         let addresses: Vec<String> = target.endpoints.iter().map(AmqpEndpoint::address).collect();
@@ -763,7 +774,7 @@ mod tests {
         assert_eq!(target.endpoints[1].uri.authority.userinfo.password, "pa,55");
         assert_eq!(
             target.to_string(),
-            "amqp://u:***@mq-0:5672/%2f,amqp://u:***@mq-1:5672/%2f,amqp://guest:***@mq-2:5673/%2f"
+            "amqp://u:***@mq-0:5672/%2f,amqp://u:***@mq-1:5672/%2f,amqp://u:***@mq-2:5673/%2f"
         );
         assert!(!format!("{target:?}").contains("pa,55"));
         let one: AmqpTarget = "amqp://u:a,b,c@mq/%2f".parse().unwrap();
@@ -785,6 +796,14 @@ mod tests {
             (
                 "amqp://u:pa,55@mq-0/%2f,amqp://u:pa,55@mq-1/%2f,amqp://u:pa,55@mq-2/other",
                 "endpoint 3 of 3: names another virtual host",
+            ),
+            (
+                "amqp://u:pa,55@mq-0/%2f,amqp://v:pa,55@mq-1/%2f",
+                "endpoint 2 of 2: names another user",
+            ),
+            (
+                "amqp://u:12,amqp://55@mq-0/%2f",
+                "endpoint 2 of 2: names another user",
             ),
             (
                 "amqp://u:pa/55@mq-0/%2f, amqp://mq-1/%2f",
