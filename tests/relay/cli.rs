@@ -449,7 +449,8 @@ fn database_errors_carry_the_servers_message_and_sqlstate() {
 }
 
 /// `tail` shows a newcomer what the relay publishes, with no queue of their
-/// own: start the relay, `tail` beside it, insert a row, see it.
+/// own: start the relay, `tail` beside it, insert a row, see it. Given
+/// several broker endpoints, `tail` takes the first that answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tail_prints_each_message_the_relay_publishes() {
     let outbox = Outbox::create().await;
@@ -463,9 +464,19 @@ async fn tail_prints_each_message_the_relay_publishes() {
     let mut lines = relay_command();
     lines.envs(env).args(["tail"]);
     let lines = RelayProcess::spawn(lines);
+    // This one is given a list whose first endpoint is dead (a closed
+    // port): it connects to the next.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .unwrap();
+    let listed = format!("amqp://guest:guest@{dead}/%2f,{AMQP_URL}");
     let mut json = relay_command();
-    json.envs(env)
-        .args(["tail", "--json", "--routing-key", "shop.order.*"]);
+    json.envs(env).env("OUTBOX_AMQP_URL", &listed).args([
+        "tail",
+        "--json",
+        "--routing-key",
+        "shop.order.*",
+    ]);
     let mut json = RelayProcess::spawn(json);
     eventually(
         "both tails are listening",
