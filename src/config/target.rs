@@ -727,6 +727,54 @@ mod tests {
     }
 
     #[test]
+    fn several_hosts_are_each_tried_alone_and_shown_without_the_password() {
+        let url: DatabaseTarget =
+            "postgres://app:pa55@h1:5432,[::1]:5433/db?target_session_attrs=read-write&connect_timeout=2"
+                .parse()
+                .unwrap();
+        assert_eq!(
+            url.to_string(),
+            "postgres://app:***@h1:5432,[::1]:5433/db?target_session_attrs=read-write"
+        );
+        assert!(url.wants_writable());
+        assert_eq!(url.connect_timeout(), Duration::from_secs(2));
+        assert_eq!(url.connect_deadline(), Duration::from_secs(4));
+        let hosts = url.hosts();
+        assert_eq!(hosts.len(), 2);
+        assert_eq!(hosts[1].get_ports(), [5433]);
+        assert_eq!(hosts[1].get_password(), Some(&b"pa55"[..]));
+        assert_eq!(
+            hosts[0].get_target_session_attrs(),
+            TargetSessionAttrs::ReadWrite
+        );
+
+        let pairs: DatabaseTarget =
+            "host=h1,h2 port=5432,5433 user=app password=pa55 dbname=db target_session_attrs=read-write"
+                .parse()
+                .unwrap();
+        assert_eq!(
+            pairs.to_string(),
+            "host=h1,h2 port=5432,5433 user=app password=*** dbname=db target_session_attrs=read-write"
+        );
+        assert_eq!(pairs.hosts()[1].get_dbname(), Some("db"));
+
+        let by_address: DatabaseTarget = "hostaddr=10.0.0.1,10.0.0.2 port=6432 dbname=db"
+            .parse()
+            .unwrap();
+        assert_eq!(by_address.hosts().len(), 2);
+        assert_eq!(by_address.to_string(), "host=10.0.0.1,10.0.0.2 port=6432,6432 dbname=db");
+
+        for bad in [
+            "host=h1,h2,h3 port=1,2 password=pa55",
+            "host=h1,h2 hostaddr=10.0.0.1 password=pa55",
+            "postgres://u:pa55@h1,[::1/db",
+        ] {
+            let error = bad.parse::<DatabaseTarget>().unwrap_err();
+            assert!(!error.contains("pa55"), "{error}");
+        }
+    }
+
+    #[test]
     fn bad_database_urls_are_refused_without_being_quoted() {
         for bad in ["mysql://u:pa55@db/x", "postgres://u:pa55@:5432/x?port=zz"] {
             let error = bad.parse::<DatabaseTarget>().unwrap_err();
