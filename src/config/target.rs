@@ -411,9 +411,7 @@ fn shown_database(config: &tokio_postgres::Config, tls: &[(&str, &str)], url_for
         url
     } else {
         let mut pairs = vec![format!("host={}", names.join(","))];
-        let ports: Vec<String> = (0..names.len())
-            .filter_map(|i| port(i).map(ToString::to_string))
-            .collect();
+        let ports: Vec<String> = config.get_ports().iter().map(u16::to_string).collect();
         if !ports.is_empty() {
             pairs.push(format!("port={}", ports.join(",")));
         }
@@ -762,7 +760,7 @@ mod tests {
             .parse()
             .unwrap();
         assert_eq!(by_address.hosts().len(), 2);
-        assert_eq!(by_address.to_string(), "host=10.0.0.1,10.0.0.2 port=6432,6432 dbname=db");
+        assert_eq!(by_address.to_string(), "host=10.0.0.1,10.0.0.2 port=6432 dbname=db");
 
         for bad in [
             "host=h1,h2,h3 port=1,2 password=pa55",

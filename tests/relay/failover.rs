@@ -152,10 +152,19 @@ impl Cluster {
         } else {
             "ALTER SYSTEM SET default_transaction_read_only = on"
         };
-        client
-            .batch_execute(&format!("{statement}; SELECT pg_reload_conf()"))
-            .await
-            .expect("the cluster's settings change");
+        for statement in [statement, "SELECT pg_reload_conf()"] {
+            client
+                .batch_execute(statement)
+                .await
+                .expect("the cluster's settings change");
+        }
+        // The reload reaches each session a moment later.
+        let wanted = if writable { "off" } else { "on" };
+        eventually("the cluster's sessions see the change", Duration::from_secs(10), || async {
+            let shown = client.query_one("SHOW default_transaction_read_only", &[]).await;
+            shown.is_ok_and(|row| row.get::<_, String>(0) == wanted)
+        })
+        .await;
     }
 }
 
