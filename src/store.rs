@@ -518,7 +518,10 @@ impl Store {
             && error.is_read_only()
         {
             let dropped = self.pool.retain(|_, _| false).removed.len();
-            tracing::debug!(dropped, "the database takes no writes: idle connections dropped");
+            tracing::debug!(
+                dropped,
+                "the database takes no writes: idle connections dropped"
+            );
         }
         result
     }

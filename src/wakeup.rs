@@ -43,9 +43,7 @@ use crate::config::{Config, DatabaseTarget};
 use crate::metrics::Metrics;
 use crate::migrate::{fnv1a, wakeup_channel};
 use crate::shutdown::Shutdown;
-use crate::store::{
-    QUERY_TIMEOUT, TlsStream, connect, describe, quote_ident, session_keepalives,
-};
+use crate::store::{QUERY_TIMEOUT, TlsStream, connect, describe, quote_ident, session_keepalives};
 
 /// The first reconnect comes this soon after a loss (a restarted server or a
 /// terminated backend is usually back at once) ...

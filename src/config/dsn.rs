@@ -190,28 +190,27 @@ pub fn url_pairs(url: &str) -> Result<Vec<(String, String)>, String> {
     if !hosts.is_empty() {
         let (mut names, mut ports) = (Vec::new(), Vec::new());
         for chunk in hosts.split(',') {
-            let (host, port) = match chunk.strip_prefix('[') {
-                Some(bracketed) => {
-                    let (host, after) = bracketed
-                        .split_once(']')
-                        .ok_or("a host in [brackets] has no closing `]`")?;
-                    match after {
-                        "" => (host, None),
-                        _ => (
-                            host,
-                            Some(
-                                after
-                                    .strip_prefix(':')
-                                    .ok_or("a host in [brackets] is followed by more than a port")?,
+            let (host, port) =
+                match chunk.strip_prefix('[') {
+                    Some(bracketed) => {
+                        let (host, after) = bracketed
+                            .split_once(']')
+                            .ok_or("a host in [brackets] has no closing `]`")?;
+                        match after {
+                            "" => (host, None),
+                            _ => (
+                                host,
+                                Some(after.strip_prefix(':').ok_or(
+                                    "a host in [brackets] is followed by more than a port",
+                                )?),
                             ),
-                        ),
+                        }
                     }
-                }
-                None => match chunk.split_once(':') {
-                    Some((host, port)) => (host, Some(port)),
-                    None => (chunk, None),
-                },
-            };
+                    None => match chunk.split_once(':') {
+                        Some((host, port)) => (host, Some(port)),
+                        None => (chunk, None),
+                    },
+                };
             names.push(decode(host, "a host")?);
             ports.push(decode(port.unwrap_or("5432"), "a port")?);
         }
@@ -336,8 +335,15 @@ mod tests {
             url_pairs("postgresql://db").unwrap(),
             [kv("host", "db"), kv("port", "5432")]
         );
-        assert_eq!(url_pairs("postgres:///x?host=%2Ftmp").unwrap(), [kv("dbname", "x"), kv("host", "/tmp")]);
-        for bad in ["postgres://u:s3cret%FF@db/x", "postgres://u:s3cret@[::1/x", "postgres://u:s3cret@db/x?s3cret"] {
+        assert_eq!(
+            url_pairs("postgres:///x?host=%2Ftmp").unwrap(),
+            [kv("dbname", "x"), kv("host", "/tmp")]
+        );
+        for bad in [
+            "postgres://u:s3cret%FF@db/x",
+            "postgres://u:s3cret@[::1/x",
+            "postgres://u:s3cret@db/x?s3cret",
+        ] {
             let error = url_pairs(bad).unwrap_err();
             assert!(!error.contains("s3cret"), "{error}");
         }
@@ -359,7 +365,11 @@ mod tests {
         let config: tokio_postgres::Config = join(&read).parse().unwrap();
         assert_eq!(
             per_host(&read, &config)[1],
-            [kv("host", "b"), kv("hostaddr", "10.0.0.2"), kv("port", "6432")]
+            [
+                kv("host", "b"),
+                kv("hostaddr", "10.0.0.2"),
+                kv("port", "6432")
+            ]
         );
     }
 

@@ -153,8 +153,7 @@ impl FromStr for DatabaseTarget {
             super::dsn::pairs(url)?
         };
         super::dsn::known_keys(read.iter().map(|(key, _)| key.as_str()))?;
-        let pairs: Vec<(String, String)> =
-            read.iter().filter_map(|(k, v)| keep(k, v)).collect();
+        let pairs: Vec<(String, String)> = read.iter().filter_map(|(k, v)| keep(k, v)).collect();
         let param = |key: &str| last(&tls_params, key);
         let files = tls::Files {
             roots: param("sslrootcert"),
@@ -188,11 +187,12 @@ impl FromStr for DatabaseTarget {
             }
         };
         let parse = |pairs: &[(String, String)]| {
-            let mut config: tokio_postgres::Config = super::dsn::join(pairs)
-                .parse()
-                .map_err(|e: tokio_postgres::Error| {
-                    format!("not a valid PostgreSQL connection string: {e}")
-                })?;
+            let mut config: tokio_postgres::Config =
+                super::dsn::join(pairs)
+                    .parse()
+                    .map_err(|e: tokio_postgres::Error| {
+                        format!("not a valid PostgreSQL connection string: {e}")
+                    })?;
             with_relay_defaults(&mut config, tls.is_some());
             Ok::<_, String>(config)
         };
@@ -381,7 +381,11 @@ fn shown_database(config: &tokio_postgres::Config, tls: &[(&str, &str)], url_for
     // Where to connect besides the hosts: none of it is secret.
     let mut shown: Vec<(&str, String)> = Vec::new();
     if !config.get_hosts().is_empty() && !config.get_hostaddrs().is_empty() {
-        let addrs: Vec<String> = config.get_hostaddrs().iter().map(ToString::to_string).collect();
+        let addrs: Vec<String> = config
+            .get_hostaddrs()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
         shown.push(("hostaddr", addrs.join(",")));
     }
     match config.get_target_session_attrs() {
@@ -760,7 +764,10 @@ mod tests {
             .parse()
             .unwrap();
         assert_eq!(by_address.hosts().len(), 2);
-        assert_eq!(by_address.to_string(), "host=10.0.0.1,10.0.0.2 port=6432 dbname=db");
+        assert_eq!(
+            by_address.to_string(),
+            "host=10.0.0.1,10.0.0.2 port=6432 dbname=db"
+        );
 
         for bad in [
             "host=h1,h2,h3 port=1,2 password=pa55",

@@ -160,10 +160,16 @@ impl Cluster {
         }
         // The reload reaches each session a moment later.
         let wanted = if writable { "off" } else { "on" };
-        eventually("the cluster's sessions see the change", Duration::from_secs(10), || async {
-            let shown = client.query_one("SHOW default_transaction_read_only", &[]).await;
-            shown.is_ok_and(|row| row.get::<_, String>(0) == wanted)
-        })
+        eventually(
+            "the cluster's sessions see the change",
+            Duration::from_secs(10),
+            || async {
+                let shown = client
+                    .query_one("SHOW default_transaction_read_only", &[])
+                    .await;
+                shown.is_ok_and(|row| row.get::<_, String>(0) == wanted)
+            },
+        )
         .await;
     }
 }
@@ -351,9 +357,11 @@ async fn after_a_failover_the_pool_and_the_listen_connection_move_to_the_new_pri
     for tenant in ["a", "b"] {
         expected.insert(tenant.into(), outbox.insert_many(tenant, 30).await);
     }
-    eventually("rows on the first primary relayed", Duration::from_secs(30), || async {
-        outbox.all_pending().await == 0
-    })
+    eventually(
+        "rows on the first primary relayed",
+        Duration::from_secs(30),
+        || async { outbox.all_pending().await == 0 },
+    )
     .await;
     assert_eq!(count(&standby, listening_on_second).await, 0);
 
@@ -366,9 +374,11 @@ async fn after_a_failover_the_pool_and_the_listen_connection_move_to_the_new_pri
         let ids = insert(&standby, &table, tenant, 30).await;
         expected.get_mut(tenant).unwrap().extend(ids);
     }
-    eventually("rows on the new primary relayed", Duration::from_secs(30), || async {
-        count(&standby, &pending_on_second).await == 0
-    })
+    eventually(
+        "rows on the new primary relayed",
+        Duration::from_secs(30),
+        || async { count(&standby, &pending_on_second).await == 0 },
+    )
     .await;
     let moved_in = promoted.elapsed();
     eventually(
@@ -393,9 +403,11 @@ async fn after_a_failover_the_pool_and_the_listen_connection_move_to_the_new_pri
         let ids = outbox.insert_many(tenant, 30).await;
         expected.get_mut(tenant).unwrap().extend(ids);
     }
-    eventually("rows on the first server relayed again", Duration::from_secs(30), || async {
-        outbox.all_pending().await == 0
-    })
+    eventually(
+        "rows on the first server relayed again",
+        Duration::from_secs(30),
+        || async { outbox.all_pending().await == 0 },
+    )
     .await;
     let moved_back_in = demoted.elapsed();
     eventually("every row received", Duration::from_secs(10), || async {
@@ -431,12 +443,9 @@ async fn a_replica_cut_off_mid_sweep_loses_its_claim_to_another_within_the_bound
     // by the broker and not marked.
     let path = Proxy::start("127.0.0.1:5432".parse().unwrap(), Mode::Pass).await;
     let mut config_a = config(&outbox, &broker, &["t"]);
-    config_a.database_url = format!(
-        "postgres://postgres@127.0.0.1:{}/test",
-        path.addr.port()
-    )
-    .parse()
-    .unwrap();
+    config_a.database_url = format!("postgres://postgres@127.0.0.1:{}/test", path.addr.port())
+        .parse()
+        .unwrap();
     config_a.listen_database_url = config_a.database_url.clone();
     config_a.confirm_timeout_ms = 500;
     let bound = config_a.claim_idle_timeout();
@@ -448,13 +457,17 @@ async fn a_replica_cut_off_mid_sweep_loses_its_claim_to_another_within_the_bound
     path.set(Mode::PartitionOn(b"COMMIT"));
     let mut expected = BTreeMap::new();
     expected.insert("t".to_string(), outbox.insert_many("t", 10).await);
-    eventually("relay A published the batch", Duration::from_secs(20), || async {
-        broker.count() >= 10
-    })
+    eventually(
+        "relay A published the batch",
+        Duration::from_secs(20),
+        || async { broker.count() >= 10 },
+    )
     .await;
-    eventually("the path cut at A's commit", Duration::from_secs(10), || async {
-        outbox.pending("t").await == 10
-    })
+    eventually(
+        "the path cut at A's commit",
+        Duration::from_secs(10),
+        || async { outbox.pending("t").await == 10 },
+    )
     .await;
     let cut = Instant::now();
 
@@ -474,9 +487,11 @@ async fn a_replica_cut_off_mid_sweep_loses_its_claim_to_another_within_the_bound
         .get_mut("t")
         .unwrap()
         .extend(outbox.insert_many("t", 5).await);
-    eventually("later rows relayed by B", Duration::from_secs(20), || async {
-        outbox.pending("t").await == 0
-    })
+    eventually(
+        "later rows relayed by B",
+        Duration::from_secs(20),
+        || async { outbox.pending("t").await == 0 },
+    )
     .await;
     eventually("every row received", Duration::from_secs(10), || async {
         broker.count() >= 15

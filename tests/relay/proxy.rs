@@ -144,7 +144,10 @@ async fn pump(
             Mode::Stall | Mode::Partition => continue,
             Mode::Refuse => return,
             Mode::PartitionOn(bytes) => {
-                if buffer[..n].windows(bytes.len()).any(|window| window == bytes) {
+                if buffer[..n]
+                    .windows(bytes.len())
+                    .any(|window| window == bytes)
+                {
                     shared.mode.send_replace(Mode::Partition);
                     continue;
                 }

@@ -20,8 +20,8 @@ use tokio_postgres::NoTls;
 use tokio_rustls::rustls;
 
 use crate::support::{
-    self, Broker, as_postgres, free_port, postgres_bin, Outbox, eventually, http_get, relay_command, relay_env, set_env, spawn_relay,
-    start_relay, unique,
+    self, Broker, Outbox, as_postgres, eventually, free_port, http_get, postgres_bin,
+    relay_command, relay_env, set_env, spawn_relay, start_relay, unique,
 };
 
 /// The private CA (and an unrelated one), with certificates it signed.
