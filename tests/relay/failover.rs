@@ -207,6 +207,17 @@ async fn count(client: &Client, sql: &str) -> i64 {
         .unwrap_or(-1)
 }
 
+/// Waits until the consumer has received every row of `expected` at least
+/// once (a row is marked before its message reaches the consumer).
+async fn all_received(broker: &Broker, expected: &BTreeMap<String, Vec<i64>>) {
+    let total: usize = expected.values().map(Vec::len).sum();
+    eventually("every row received", Duration::from_secs(20), || async {
+        let ids: std::collections::HashSet<i64> = broker.received().iter().map(|r| r.id).collect();
+        ids.len() >= total
+    })
+    .await;
+}
+
 /// Checks on the consumer's side that each tenant's first deliveries are
 /// exactly `expected` (every row, in the order written), duplicates aside.
 fn assert_received_in_order(broker: &Broker, expected: &BTreeMap<String, Vec<i64>>) {
@@ -254,10 +265,7 @@ async fn a_dead_or_silent_host_first_in_the_list_is_passed_over_in_both_forms() 
         || async { outbox.all_pending().await == 0 },
     )
     .await;
-    eventually("every row received", Duration::from_secs(10), || async {
-        broker.count() >= 40
-    })
-    .await;
+    all_received(&broker, &expected).await;
     assert_received_in_order(&broker, &expected);
     assert!(
         silent.accepted() > 0,
@@ -410,12 +418,7 @@ async fn after_a_failover_the_pool_and_the_listen_connection_move_to_the_new_pri
     )
     .await;
     let moved_back_in = demoted.elapsed();
-    eventually("every row received", Duration::from_secs(10), || async {
-        let received = broker.received();
-        let distinct: std::collections::HashSet<i64> = received.iter().map(|r| r.id).collect();
-        distinct.len() >= 180
-    })
-    .await;
+    all_received(&broker, &expected).await;
     assert_received_in_order(&broker, &expected);
     // An outage is no tenant's failure: no row was blamed.
     let blamed = format!("SELECT count(*) FROM {table} WHERE attempts > 0");
@@ -493,10 +496,7 @@ async fn a_replica_cut_off_mid_sweep_loses_its_claim_to_another_within_the_bound
         || async { outbox.pending("t").await == 0 },
     )
     .await;
-    eventually("every row received", Duration::from_secs(10), || async {
-        broker.count() >= 15
-    })
-    .await;
+    all_received(&broker, &expected).await;
     assert_received_in_order(&broker, &expected);
     assert!(
         taken_in >= bound.saturating_sub(Duration::from_secs(2)),
