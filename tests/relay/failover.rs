@@ -510,3 +510,78 @@ async fn a_replica_cut_off_mid_sweep_loses_its_claim_to_another_within_the_bound
     broker.delete().await;
     outbox.drop_schema().await;
 }
+
+/// The keepalive timer of the server's side of each established connection
+/// from `client_ports`, as `ss` shows it (`timer:(keepalive,14sec,0)`).
+fn server_keepalive_timers(client_ports: &[i32]) -> Vec<String> {
+    let output = std::process::Command::new("ss")
+        .args(["-tnoH", "state", "established", "( sport = :5432 )"])
+        .output()
+        .expect("ss runs");
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter(|line| {
+            client_ports
+                .iter()
+                .any(|port| line.contains(&format!("127.0.0.1:{port} ")))
+        })
+        .filter_map(|line| {
+            let timer = line.split("timer:(").nth(1)?;
+            Some(timer.split(')').next()?.to_string())
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_servers_side_of_every_relay_connection_has_short_keepalives() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let name = crate::support::unique("keepalives");
+    let mut config = config(&outbox, &broker, &["k"]);
+    config.database_url =
+        format!("postgres://postgres@127.0.0.1:5432/test?application_name={name}")
+            .parse()
+            .unwrap();
+    config.listen_database_url = config.database_url.clone();
+    let relay = start_relay(config).await;
+    outbox.insert_many("k", 5).await;
+    eventually("rows relayed", Duration::from_secs(20), || async {
+        outbox.pending("k").await == 0
+    })
+    .await;
+    let ports: Vec<i32> = outbox
+        .client
+        .query(
+            "SELECT client_port FROM pg_stat_activity WHERE application_name = $1",
+            &[&name],
+        )
+        .await
+        .expect("the relay's sessions")
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert!(
+        !ports.is_empty(),
+        "the relay's pooled sessions are named {name}"
+    );
+    // Without the relay's settings the kernel's default shows: 119min.
+    let timers = server_keepalive_timers(&ports);
+    assert_eq!(timers.len(), ports.len(), "{timers:?}");
+    for timer in &timers {
+        let left = timer
+            .strip_prefix("keepalive,")
+            .and_then(|rest| rest.split(',').next())
+            .unwrap_or_else(|| panic!("a keepalive timer, not {timer}"));
+        let seconds: u64 = if left.ends_with("ms") {
+            0
+        } else {
+            left.strip_suffix("sec")
+                .and_then(|secs| secs.parse().ok())
+                .unwrap_or_else(|| panic!("a keepalive timer of seconds, not {timer}"))
+        };
+        assert!(seconds <= 15, "{timer}");
+    }
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
