@@ -513,7 +513,10 @@ impl Store {
     /// Passes `result` on; when it says the server takes no writes, first
     /// drops every idle pooled connection (they are on that server too), so
     /// that the next ones go to the writable host.
-    fn seen<T>(&self, result: Result<T, StoreError>) -> Result<T, StoreError> {
+    fn dropping_idle_if_read_only<T>(
+        &self,
+        result: Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
         if let Err(error) = &result
             && error.is_read_only()
         {
@@ -531,7 +534,7 @@ impl Store {
     /// in one round trip. `Ok(None)`: another relay holds the tenant.
     pub async fn claim(&self, tenant: &str, budget: usize) -> Result<Option<Claim>, StoreError> {
         let claimed = self.claim_on_writable(tenant, budget).await;
-        self.seen(claimed)
+        self.dropping_idle_if_read_only(claimed)
     }
 
     async fn claim_on_writable(
@@ -774,7 +777,7 @@ impl Store {
             // back.
             drop(Object::take(conn));
         }
-        self.seen(result)
+        self.dropping_idle_if_read_only(result)
     }
 }
 
@@ -1024,7 +1027,7 @@ impl Claim {
     /// the transaction: the claim can only be dropped.
     pub async fn marks_ahead_done(&self) -> Result<u64, StoreError> {
         let done = self.marks_answered().await;
-        self.store.seen(done)
+        self.store.dropping_idle_if_read_only(done)
     }
 
     async fn marks_answered(&self) -> Result<u64, StoreError> {
@@ -1114,7 +1117,7 @@ impl Claim {
             Ok(())
         };
         let committed = deadline("the commit", work).await;
-        self.store.seen(committed)?;
+        self.store.dropping_idle_if_read_only(committed)?;
         self.release();
         Ok(std::mem::take(&mut self.rows))
     }
