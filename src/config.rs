@@ -30,7 +30,10 @@ use read::{
     Fallback, Flag, Parse, Render, Rule, SCHEMA_NAME, TABLE_NAME, TenantList, int, keys, parsed,
     short_text,
 };
-pub use target::{AmqpEndpoint, AmqpTarget, DATABASE_CONNECT_TIMEOUT, DatabaseTarget};
+pub use target::{
+    AmqpEndpoint, AmqpTarget, DATABASE_CONNECT_TIMEOUT, DatabaseTarget, KEEPALIVE_IDLE,
+    KEEPALIVE_INTERVAL, KEEPALIVE_RETRIES,
+};
 
 /// The prefix of every configuration variable.
 pub const ENV_PREFIX: &str = "OUTBOX_";
@@ -183,6 +186,19 @@ impl Config {
 
     pub fn confirm_timeout(&self) -> Duration {
         Duration::from_millis(self.confirm_timeout_ms)
+    }
+
+    /// How long a sweep's transaction may sit idle between two statements
+    /// before the server ends it (`idle_in_transaction_session_timeout`,
+    /// set in the claim): twice `confirm_timeout_ms` plus 5 s. The longest
+    /// pause a sweep makes while holding its claim is a wait for confirms
+    /// (each within `confirm_timeout_ms`; every step of them sends a mark),
+    /// after a channel is opened; a relay cut off from the server loses its
+    /// claims within this bound, and another replica takes the tenants.
+    pub fn claim_idle_timeout(&self) -> Duration {
+        self.confirm_timeout()
+            .saturating_mul(2)
+            .saturating_add(Duration::from_secs(5))
     }
 
     pub fn shutdown_grace(&self) -> Duration {

@@ -18,7 +18,13 @@
 //! connection's next transaction may run on another server connection, where
 //! a name prepared before means nothing, or means another client's statement.
 //! Nothing else is kept in the session either: the claim's settings are
-//! transaction-local.
+//! transaction-local (but for the server's TCP keepalives, see [`connect`]).
+//!
+//! Several hosts: each connection tries them in turn (see [`connect`]). A
+//! server that stops taking writes (a primary demoted in a failover) is
+//! noticed by the claim and the poll, and on the marks (SQLSTATE 25006): its
+//! connections are discarded, every idle one with them, so new ones go to
+//! the writable host. That is an outage, never a tenant's failure.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -31,9 +37,11 @@ use deadpool_postgres::{
     BuildError, Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime, Timeouts,
 };
 use futures_util::TryStreamExt;
-use futures_util::future::{MaybeDone, maybe_done};
+use futures_util::future::{BoxFuture, MaybeDone, maybe_done};
 use time::OffsetDateTime;
+use tokio_postgres::tls::MakeTlsConnect;
 use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Client, Connection, Socket};
 
 use crate::config::{Config, DatabaseTarget};
 use crate::domain::{BatchReport, Lease, OutboxRow, Payload};
@@ -60,6 +68,7 @@ const PENDING_TENANTS: &str = include_str!("store/pending_tenants.sql");
 const TENANT_LAG: &str = include_str!("store/tenant_lag.sql");
 const TENANT_STATUS: &str = include_str!("store/tenant_status.sql");
 const PAYLOAD_TYPE: &str = include_str!("store/payload_type.sql");
+const WRITABLE: &str = include_str!("store/writable.sql");
 
 /// The base types of `payload` that `payload::text` turns into the
 /// application's own encoding (as `format_type` names them).
@@ -77,6 +86,14 @@ pub enum StoreError {
     Timeout(&'static str, Duration),
     #[error("cannot build the connection pool: {0}")]
     Build(#[source] BuildError),
+    /// The server takes no writes: a standby, or a primary demoted in a
+    /// failover. With several hosts and `target_session_attrs=read-write`,
+    /// the next connection goes to the writable one.
+    #[error(
+        "the database is read-only (a standby, or a primary demoted in a failover); \
+         waiting for a writable host (target_session_attrs=read-write)"
+    )]
+    ReadOnly,
     /// The table's `payload` column is missing, or of a type the relay would
     /// not send as the application wrote it (e.g. `bytea` reads as hex).
     #[error("{}", describe_payload_column(table, found.as_deref()))]
@@ -110,21 +127,36 @@ impl StoreError {
     /// is a server that answered with an error (a data error, a permission, a
     /// missing table) or a value the relay cannot decode: the database is
     /// reachable, and the failure belongs to what was asked.
+    /// A server that takes no writes counts as unreachable too: no tenant's
+    /// failure, and no place to sweep.
     pub fn is_unreachable(&self) -> bool {
         match self {
-            StoreError::Pool(_) | StoreError::Timeout(..) | StoreError::Build(_) => true,
+            StoreError::Pool(_)
+            | StoreError::Timeout(..)
+            | StoreError::Build(_)
+            | StoreError::ReadOnly => true,
             StoreError::Query(error) => connection_lost(error),
             StoreError::PayloadColumn { .. } => false,
         }
     }
+
+    /// Whether the server turned out to take no writes.
+    pub fn is_read_only(&self) -> bool {
+        matches!(self, StoreError::ReadOnly) || self.sqlstate() == Some(READ_ONLY_SQL_TRANSACTION)
+    }
 }
+
+/// SQLSTATE of a write refused by a server that takes none.
+const READ_ONLY_SQL_TRANSACTION: &str = "25006";
 
 /// Whether a driver error says the connection is gone rather than that the
 /// server refused a statement or a value did not decode.
 fn connection_lost(error: &tokio_postgres::Error) -> bool {
     if let Some(db) = error.as_db_error() {
         let code = db.code().code();
-        return code.starts_with("08") || code.starts_with("57P");
+        return code.starts_with("08")
+            || code.starts_with("57P")
+            || code == READ_ONLY_SQL_TRANSACTION;
     }
     error.is_closed()
         || std::error::Error::source(error).is_some_and(|cause| cause.is::<std::io::Error>())
@@ -230,6 +262,8 @@ pub struct Store {
     statements: Arc<Statements>,
     /// `'<schema>.<table>'`: the first advisory-lock key.
     lock_key: Arc<str>,
+    /// `idle_in_transaction_session_timeout` of a claim, in ms.
+    claim_idle_ms: Arc<str>,
     batch_size: i64,
     max_payload_bytes: i64,
 }
@@ -347,19 +381,94 @@ pub(crate) fn tls_connector(
     tokio_postgres_rustls::MakeRustlsConnect::new(config)
 }
 
+/// The TLS stream of a database connection (plain when `sslmode` asks for
+/// none).
+pub(crate) type TlsStream =
+    <tokio_postgres_rustls::MakeRustlsConnect as MakeTlsConnect<Socket>>::Stream;
+
+/// Connects to the first host of `target` that takes the connection (and,
+/// with `target_session_attrs=read-write`, takes writes), trying them in
+/// turn, each within its own connect timeout, so that a host that never
+/// answers (a blackholed address, a stalled path) does not spend the others'
+/// time. The last host has the rest of the caller's deadline; the error is
+/// the last host's.
+pub(crate) async fn connect(
+    target: &DatabaseTarget,
+) -> Result<(Client, Connection<Socket, TlsStream>), tokio_postgres::Error> {
+    let tls = tls_connector(target.tls.as_deref());
+    let hosts = target.hosts();
+    let (last, earlier) = hosts
+        .split_last()
+        .expect("a database target names at least one host");
+    for host in earlier {
+        match tokio::time::timeout(target.connect_timeout(), host.connect(tls.clone())).await {
+            Ok(Ok(connected)) => return Ok(connected),
+            Ok(Err(error)) => {
+                tracing::debug!(error = %describe(&error), "database host not taken; trying the next");
+            }
+            Err(_) => tracing::debug!(
+                timeout = ?target.connect_timeout(),
+                "database host did not answer in time; trying the next"
+            ),
+        }
+    }
+    last.connect(tls).await
+}
+
+/// The server's side of a connection's TCP keepalives, as the client's (see
+/// `config::KEEPALIVE_IDLE`): a relay that vanishes without closing its
+/// connections (a partition) is noticed by the server within about 30 s,
+/// not the kernel's two hours. Session settings, set once per connection;
+/// through PgBouncer they land on its server connection, where they are as
+/// good.
+pub(crate) fn session_keepalives() -> String {
+    use crate::config::{KEEPALIVE_IDLE, KEEPALIVE_INTERVAL, KEEPALIVE_RETRIES};
+    format!(
+        "SET tcp_keepalives_idle = {}; SET tcp_keepalives_interval = {}; \
+         SET tcp_keepalives_count = {KEEPALIVE_RETRIES}",
+        KEEPALIVE_IDLE.as_secs(),
+        KEEPALIVE_INTERVAL.as_secs()
+    )
+}
+
+/// How the pool opens a connection: [`connect`], then the server's
+/// keepalives.
+struct HostByHost {
+    target: DatabaseTarget,
+    keepalives: String,
+}
+
+impl deadpool_postgres::Connect for HostByHost {
+    fn connect(
+        &self,
+        _: &tokio_postgres::Config,
+    ) -> BoxFuture<'_, Result<(Client, tokio::task::JoinHandle<()>), tokio_postgres::Error>> {
+        Box::pin(async move {
+            let (client, connection) = connect(&self.target).await?;
+            let task = tokio::spawn(async move {
+                if let Err(error) = connection.await {
+                    tracing::debug!(error = %describe(&error), "database connection ended");
+                }
+            });
+            client.batch_execute(&self.keepalives).await?;
+            Ok((client, task))
+        })
+    }
+}
+
 impl Store {
     /// Builds the pool for the configured target; no connection is opened
     /// until one is needed.
     pub fn new(config: &Config) -> Result<Store, StoreError> {
-        let DatabaseTarget {
-            config: target,
-            tls,
-            ..
-        } = config.database_url.clone();
-        let tls = tls_connector(tls.as_deref());
-        let manager = Manager::from_config(
-            target,
-            tls,
+        let target = config.database_url.clone();
+        // Every host's connect timeout, and the keepalives' round trip.
+        let create = target.connect_deadline().saturating_add(CONNECT_TIMEOUT);
+        let manager = Manager::from_connect(
+            target.config.clone(),
+            HostByHost {
+                target,
+                keepalives: session_keepalives(),
+            },
             ManagerConfig {
                 recycling_method: RecyclingMethod::Fast,
             },
@@ -368,7 +477,7 @@ impl Store {
             .max_size(config.pool_size)
             .timeouts(Timeouts {
                 wait: Some(POOL_WAIT_TIMEOUT),
-                create: Some(CONNECT_TIMEOUT),
+                create: Some(create),
                 recycle: Some(CONNECT_TIMEOUT),
             })
             .runtime(Runtime::Tokio1)
@@ -390,6 +499,7 @@ impl Store {
                 table,
             }),
             lock_key: format!("{}.{}", config.schema, config.table).into(),
+            claim_idle_ms: config.claim_idle_timeout().as_millis().to_string().into(),
             batch_size: i64::try_from(config.batch_size).unwrap_or(i64::MAX),
             max_payload_bytes: i64::try_from(config.max_payload_bytes).unwrap_or(i64::MAX),
         })
@@ -400,10 +510,38 @@ impl Store {
         self.pool.get().await.map_err(StoreError::Pool)
     }
 
+    /// Passes `result` on; when it says the server takes no writes, first
+    /// drops every idle pooled connection (they are on that server too), so
+    /// that the next ones go to the writable host.
+    fn dropping_idle_if_read_only<T>(
+        &self,
+        result: Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        if let Err(error) = &result
+            && error.is_read_only()
+        {
+            let dropped = self.pool.retain(|_, _| false).removed.len();
+            tracing::debug!(
+                dropped,
+                "the database takes no writes: idle connections dropped"
+            );
+        }
+        result
+    }
+
     /// Opens a transaction, tries the tenant's advisory lock and reads its
     /// oldest pending rows, as many as fit `budget` bytes (at least one), all
     /// in one round trip. `Ok(None)`: another relay holds the tenant.
     pub async fn claim(&self, tenant: &str, budget: usize) -> Result<Option<Claim>, StoreError> {
+        let claimed = self.claim_on_writable(tenant, budget).await;
+        self.dropping_idle_if_read_only(claimed)
+    }
+
+    async fn claim_on_writable(
+        &self,
+        tenant: &str,
+        budget: usize,
+    ) -> Result<Option<Claim>, StoreError> {
         let mut claim = Claim {
             conn: Some(Arc::new(self.connection().await?)),
             store: self.clone(),
@@ -415,8 +553,12 @@ impl Store {
         let client = claim.client();
         let work = async {
             let lock_key: &str = &self.lock_key;
-            let claim_params: [(&(dyn ToSql + Sync), Type); 2] =
-                [(&lock_key, Type::TEXT), (&tenant, Type::TEXT)];
+            let idle_ms: &str = &self.claim_idle_ms;
+            let claim_params: [(&(dyn ToSql + Sync), Type); 3] = [
+                (&lock_key, Type::TEXT),
+                (&tenant, Type::TEXT),
+                (&idle_ms, Type::TEXT),
+            ];
             // One round trip: the server runs them in order, in the
             // transaction BEGIN opens.
             let (begin, taken, batch) = tokio::join!(
@@ -425,16 +567,22 @@ impl Store {
                 self.read_batch(client, tenant, i64::MIN, budget),
             );
             begin?;
-            let taken: bool = taken?.try_get(1)?;
-            Ok::<_, StoreError>((taken, batch?))
+            let claimed = taken?;
+            let (taken, read_only): (bool, bool) = (claimed.try_get(1)?, claimed.try_get(2)?);
+            Ok::<_, StoreError>((taken, read_only, batch?))
         };
         let (
             taken,
+            read_only,
             Batch {
                 rows,
                 cut_by_budget,
             },
         ) = deadline("the claim", work).await?;
+        if read_only {
+            // Dropped: the connection is closed, not pooled.
+            return Err(StoreError::ReadOnly);
+        }
         if !taken {
             claim.rollback().await?;
             return Ok(None);
@@ -522,9 +670,10 @@ impl Store {
     /// id and its lag, and the application_name of every session of this
     /// database LIKE `listeners`: one statement whose cost does not grow with
     /// idle tenants.
+    /// Refused as [`StoreError::ReadOnly`] on a server that takes no writes.
     pub async fn pending_tenants(&self, listeners: &str) -> Result<Polled, StoreError> {
         let rows = self
-            .query_all(
+            .query_all_on_writable(
                 "the poll query",
                 &self.statements.pending_tenants,
                 &[(&listeners, Type::TEXT)],
@@ -584,18 +733,51 @@ impl Store {
         params: &[(&(dyn ToSql + Sync), Type)],
         map: impl Fn(&tokio_postgres::Row) -> Result<T, tokio_postgres::Error>,
     ) -> Result<Vec<T>, StoreError> {
+        self.query_checked(what, sql, params, map, false).await
+    }
+
+    /// [`Store::query_all`], with the check that the server takes writes
+    /// sent beside it (no round trip of its own).
+    async fn query_all_on_writable<T>(
+        &self,
+        what: &'static str,
+        sql: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+        map: impl Fn(&tokio_postgres::Row) -> Result<T, tokio_postgres::Error>,
+    ) -> Result<Vec<T>, StoreError> {
+        self.query_checked(what, sql, params, map, true).await
+    }
+
+    async fn query_checked<T>(
+        &self,
+        what: &'static str,
+        sql: &str,
+        params: &[(&(dyn ToSql + Sync), Type)],
+        map: impl Fn(&tokio_postgres::Row) -> Result<T, tokio_postgres::Error>,
+        writable: bool,
+    ) -> Result<Vec<T>, StoreError> {
         let conn = self.connection().await?;
         let work = async {
-            let rows = conn.query_typed(sql, params).await?;
-            Ok(rows.iter().map(map).collect::<Result<Vec<T>, _>>()?)
+            let check = async {
+                if !writable {
+                    return Ok(true);
+                }
+                conn.query_typed_one(WRITABLE, &[]).await?.try_get(0)
+            };
+            let (writes, rows) = tokio::join!(check, conn.query_typed(sql, params));
+            if !writes? {
+                return Err(StoreError::ReadOnly);
+            }
+            Ok(rows?.iter().map(map).collect::<Result<Vec<T>, _>>()?)
         };
         let result = deadline(what, work).await;
         if result.is_err() {
-            // It may be half-way through a statement on a stalled path: the
-            // pool does not get it back.
+            // It may be half-way through a statement on a stalled path (or
+            // on a server that takes no writes): the pool does not get it
+            // back.
             drop(Object::take(conn));
         }
-        result
+        self.dropping_idle_if_read_only(result)
     }
 }
 
@@ -844,6 +1026,11 @@ impl Claim {
     /// longer); the rows the marks marked. A failed mark or read has aborted
     /// the transaction: the claim can only be dropped.
     pub async fn marks_ahead_done(&self) -> Result<u64, StoreError> {
+        let done = self.marks_answered().await;
+        self.store.dropping_idle_if_read_only(done)
+    }
+
+    async fn marks_answered(&self) -> Result<u64, StoreError> {
         // Polled where they are: the claim must always know every holder of
         // its connection (see `Drop`), even if this wait is abandoned.
         let all_answered = std::future::poll_fn(|cx| {
@@ -929,7 +1116,8 @@ impl Claim {
             commit?;
             Ok(())
         };
-        deadline("the commit", work).await?;
+        let committed = deadline("the commit", work).await;
+        self.store.dropping_idle_if_read_only(committed)?;
         self.release();
         Ok(std::mem::take(&mut self.rows))
     }

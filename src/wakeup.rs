@@ -12,6 +12,13 @@
 //! with back-off and, once LISTENing again, asks for a poll at once (rows
 //! committed meanwhile notified no one). It does not touch readiness.
 //!
+//! With `target_session_attrs=read-write` (several hosts, a failover), the
+//! connection also checks, once per poll interval (at least a second apart),
+//! that its server still takes writes: a primary demoted in a failover may
+//! stay up and keep the LISTEN, but no writer notifies there any more. When
+//! it does not, the connection is dropped and made again, to the new
+//! primary.
+//!
 //! With several replicas, each LISTEN connection is named
 //! `outbox-relay:<channel hash>:<tenants hash>:<instance id>`; the poll reads
 //! back the names of the replicas of the same table and the same `tenants`
@@ -36,7 +43,7 @@ use crate::config::{Config, DatabaseTarget};
 use crate::metrics::Metrics;
 use crate::migrate::{fnv1a, wakeup_channel};
 use crate::shutdown::Shutdown;
-use crate::store::{CONNECT_TIMEOUT, QUERY_TIMEOUT, describe, quote_ident, tls_connector};
+use crate::store::{QUERY_TIMEOUT, TlsStream, connect, describe, quote_ident, session_keepalives};
 
 /// The first reconnect comes this soon after a loss (a restarted server or a
 /// terminated backend is usually back at once) ...
@@ -213,7 +220,12 @@ enum Lost {
     Closed,
     #[error("no answer within {0:?}")]
     Timeout(Duration),
+    #[error("the server takes no writes any more (a primary demoted in a failover)")]
+    ReadOnly,
 }
+
+/// The writable check comes at most this often.
+const WRITABLE_CHECK_MIN: Duration = Duration::from_secs(1);
 
 /// The LISTEN connection's history, across sessions.
 #[derive(Default)]
@@ -229,10 +241,18 @@ struct Outage {
 pub async fn run(config: Arc<Config>, wakeups: Arc<Wakeups>, metrics: Metrics, stop: Shutdown) {
     let channel = wakeup_channel(&config.schema, &config.table);
     let target = listen_target(&config.listen_database_url, &wakeups.application_name);
+    let check_every = config.poll_interval().max(WRITABLE_CHECK_MIN);
     let backoff = Backoff::new(RECONNECT_FIRST, RECONNECT_MAX);
     let mut outage = Outage::default();
     loop {
-        let session = listen(&target, &channel, &wakeups, &metrics, &mut outage);
+        let session = listen(
+            &target,
+            &channel,
+            &wakeups,
+            &metrics,
+            &mut outage,
+            check_every,
+        );
         let error = tokio::select! {
             Err(error) = session => error,
             () = stop.clone().fired() => break,
@@ -258,23 +278,24 @@ pub async fn run(config: Arc<Config>, wakeups: Arc<Wakeups>, metrics: Metrics, s
 /// `listen_database_url` with the LISTEN connection's own name.
 fn listen_target(target: &DatabaseTarget, application_name: &str) -> DatabaseTarget {
     let mut target = target.clone();
-    target.config.application_name(application_name);
+    target.set_application_name(application_name);
     target
 }
 
 /// One LISTEN session: connect, LISTEN, ask for a poll, then hand every
-/// notification to `wakeups` until the connection is lost. Ends `outage`
-/// once LISTENing.
+/// notification to `wakeups` until the connection is lost (or, when only a
+/// writable server will do, its server takes no writes any more: checked
+/// every `check_every`). Ends `outage` once LISTENing.
 async fn listen(
     target: &DatabaseTarget,
     channel: &str,
     wakeups: &Wakeups,
     metrics: &Metrics,
     outage: &mut Outage,
+    check_every: Duration,
 ) -> Result<Infallible, Lost> {
-    let tls = tls_connector(target.tls.as_deref());
-    let (client, mut connection) = within(CONNECT_TIMEOUT, async {
-        Ok(target.config.connect(tls).await?)
+    let (client, mut connection) = within(target.connect_deadline(), async {
+        Ok(connect(target).await?)
     })
     .await?;
     within(
@@ -290,8 +311,49 @@ async fn listen(
     }
     // Rows committed while no one listened notified no one.
     wakeups.poll_now();
+    if !target.wants_writable() {
+        loop {
+            next_notification(&mut connection, wakeups).await?;
+        }
+    }
+    let mut checks = tokio::time::interval(check_every);
+    checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    checks.tick().await;
     loop {
-        next_notification(&mut connection, wakeups).await?;
+        tokio::select! {
+            driven = next_notification(&mut connection, wakeups) => driven?,
+            _ = checks.tick() => {
+                let writable = still_writable(&client, &mut connection, wakeups);
+                if !within(QUERY_TIMEOUT, writable).await? {
+                    return Err(Lost::ReadOnly);
+                }
+            }
+        }
+    }
+}
+
+/// Whether the server still takes writes; drives the connection (and hands
+/// on notifications) until it has answered.
+async fn still_writable(
+    client: &Client,
+    connection: &mut Connection<tokio_postgres::Socket, TlsStream>,
+    wakeups: &Wakeups,
+) -> Result<bool, Lost> {
+    let answered = client.simple_query("SHOW transaction_read_only");
+    tokio::pin!(answered);
+    loop {
+        tokio::select! {
+            answered = &mut answered => {
+                let read_only = answered?.into_iter().find_map(|message| match message {
+                    tokio_postgres::SimpleQueryMessage::Row(row) => {
+                        row.get(0).map(|value| value == "on")
+                    }
+                    _ => None,
+                });
+                return Ok(read_only == Some(false));
+            }
+            driven = next_notification(connection, wakeups) => driven?,
+        }
     }
 }
 
@@ -310,7 +372,10 @@ where
     T: AsyncRead + AsyncWrite + Unpin,
 {
     let channel = quote_ident(channel);
-    let statement = format!("LISTEN {channel}; NOTIFY {channel}, ''");
+    let statement = format!(
+        "{}; LISTEN {channel}; NOTIFY {channel}, ''",
+        session_keepalives()
+    );
     let answered = client.batch_execute(&statement);
     tokio::pin!(answered);
     loop {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lapin::uri::{AMQPScheme, AMQPUri};
-use tokio_postgres::config::SslMode;
+use tokio_postgres::config::{LoadBalanceHosts, SslMode, TargetSessionAttrs};
 
 use crate::redact::MASK;
 use tls::Check;
@@ -29,10 +29,97 @@ const DEFAULT_HEARTBEAT_SECS: u16 = 10;
 /// `verify-ca`, `verify-full`), `sslrootcert`, `sslcert` and `sslkey` ask.
 #[derive(Clone)]
 pub struct DatabaseTarget {
+    /// Every host, as given (what is printed, and what holds for all hosts).
     pub config: tokio_postgres::Config,
+    /// One configuration per host, in the order given (shuffled per connect
+    /// with `load_balance_hosts=random`): each host is tried alone, within
+    /// its own connect timeout, so a host that never answers does not spend
+    /// the deadline of the others.
+    hosts: Vec<tokio_postgres::Config>,
     /// The TLS client configuration when `sslmode` asks for TLS; `None`: plain.
     pub tls: Option<Arc<rustls::ClientConfig>>,
     redacted: String,
+}
+
+impl DatabaseTarget {
+    /// The configuration of each host, in the order to try them.
+    pub fn hosts(&self) -> Vec<&tokio_postgres::Config> {
+        let mut hosts: Vec<&tokio_postgres::Config> = self.hosts.iter().collect();
+        if self.config.get_load_balance_hosts() == LoadBalanceHosts::Random {
+            let start = random_index(hosts.len());
+            hosts.rotate_left(start);
+        }
+        hosts
+    }
+
+    /// How long one host may take to connect (TCP, TLS, authentication and,
+    /// with `target_session_attrs`, the check of what the server is).
+    pub fn connect_timeout(&self) -> Duration {
+        self.config
+            .get_connect_timeout()
+            .copied()
+            .unwrap_or(DATABASE_CONNECT_TIMEOUT)
+    }
+
+    /// How long a connection may take with every host tried in turn.
+    pub fn connect_deadline(&self) -> Duration {
+        self.connect_timeout()
+            .saturating_mul(u32::try_from(self.hosts.len()).unwrap_or(u32::MAX).max(1))
+    }
+
+    /// Whether only a server that accepts writes will do
+    /// (`target_session_attrs=read-write`).
+    pub fn wants_writable(&self) -> bool {
+        self.config.get_target_session_attrs() == TargetSessionAttrs::ReadWrite
+    }
+
+    /// Names every session this target opens.
+    pub fn set_application_name(&mut self, name: &str) {
+        self.config.application_name(name);
+        for host in &mut self.hosts {
+            host.application_name(name);
+        }
+    }
+}
+
+/// Client-side TCP keepalives of every database connection: a dead peer is
+/// noticed in about 30 s even when no query is running. The server's side of
+/// the connection is asked for the same (see `store::connect`).
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+pub const KEEPALIVE_RETRIES: u32 = 3;
+
+/// What the relay sets on every database configuration it did not get from
+/// the connection string.
+fn with_relay_defaults(config: &mut tokio_postgres::Config, tls: bool) {
+    // Plain unless sslmode asks for TLS (docs/design.md); TLS is then always
+    // verified, by the client configuration.
+    config.ssl_mode(if tls {
+        SslMode::Require
+    } else {
+        SslMode::Disable
+    });
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(DATABASE_CONNECT_TIMEOUT);
+    }
+    if config.get_application_name().is_none() {
+        config.application_name("outbox-relay");
+    }
+    config
+        .keepalives(true)
+        .keepalives_idle(KEEPALIVE_IDLE)
+        .keepalives_interval(KEEPALIVE_INTERVAL)
+        .keepalives_retries(KEEPALIVE_RETRIES);
+}
+
+/// An index below `n`, different per call (every `RandomState` is freshly
+/// keyed).
+fn random_index(n: usize) -> usize {
+    use std::hash::{BuildHasher, Hasher};
+    let random = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    usize::try_from(random % u64::try_from(n.max(1)).unwrap_or(1)).unwrap_or(0)
 }
 
 /// The connection-string parameters the relay handles itself.
@@ -55,40 +142,18 @@ impl FromStr for DatabaseTarget {
             }
         };
         let url_form = url.starts_with("postgres://") || url.starts_with("postgresql://");
-        if url_form {
+        let read = if url_form {
             misplaced_userinfo(url)?;
-        }
-        let cleaned = if url_form {
-            let mut parsed = url::Url::parse(url).map_err(|e| format!("not a valid URL: {e}"))?;
-            super::dsn::known_keys(
-                parsed
-                    .query_pairs()
-                    .map(|(k, _)| k)
-                    .collect::<Vec<_>>()
-                    .iter()
-                    .map(|k| k.as_ref()),
-            )?;
-            let pairs: Vec<(String, String)> = parsed
-                .query_pairs()
-                .filter_map(|(k, v)| keep(&k, &v))
-                .collect();
-            if pairs.is_empty() {
-                parsed.set_query(None);
-            } else {
-                parsed.query_pairs_mut().clear().extend_pairs(pairs);
-            }
-            parsed.to_string()
+            super::dsn::url_pairs(url)?
         } else if url.contains("://") {
             return Err(
                 "must start with postgres:// or postgresql:// (or be key=value pairs)".into(),
             );
         } else {
-            let pairs: Vec<(String, String)> = super::dsn::known_pairs(url)?
-                .iter()
-                .filter_map(|(k, v)| keep(k, v))
-                .collect();
-            super::dsn::join(&pairs)
+            super::dsn::pairs(url)?
         };
+        super::dsn::known_keys(read.iter().map(|(key, _)| key.as_str()))?;
+        let pairs: Vec<(String, String)> = read.iter().filter_map(|(k, v)| keep(k, v)).collect();
         let param = |key: &str| last(&tls_params, key);
         let files = tls::Files {
             roots: param("sslrootcert"),
@@ -121,32 +186,33 @@ impl FromStr for DatabaseTarget {
                 None
             }
         };
-        let mut config: tokio_postgres::Config =
-            cleaned.parse().map_err(|e: tokio_postgres::Error| {
-                format!("not a valid PostgreSQL connection string: {e}")
-            })?;
-        if config.get_hosts().is_empty() {
+        let parse = |pairs: &[(String, String)]| {
+            let mut config: tokio_postgres::Config =
+                super::dsn::join(pairs)
+                    .parse()
+                    .map_err(|e: tokio_postgres::Error| {
+                        format!("not a valid PostgreSQL connection string: {e}")
+                    })?;
+            with_relay_defaults(&mut config, tls.is_some());
+            Ok::<_, String>(config)
+        };
+        let config = parse(&pairs)?;
+        if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
             return Err("names no host".into());
         }
-        // Plain unless sslmode asks for TLS (docs/design.md); TLS is then
-        // always verified, by the client configuration above.
-        config.ssl_mode(if tls.is_some() {
-            SslMode::Require
-        } else {
-            SslMode::Disable
-        });
-        if config.get_connect_timeout().is_none() {
-            config.connect_timeout(DATABASE_CONNECT_TIMEOUT);
+        let hosts = super::dsn::per_host(&pairs, &config)
+            .iter()
+            .map(|pairs| parse(pairs))
+            .collect::<Result<Vec<_>, _>>()?;
+        if config.get_ports().len() > 1 && config.get_ports().len() != hosts.len() {
+            return Err("names more than one port, but not one for each host".into());
         }
-        if config.get_application_name().is_none() {
-            config.application_name("outbox-relay");
+        if !config.get_hosts().is_empty()
+            && !config.get_hostaddrs().is_empty()
+            && config.get_hosts().len() != config.get_hostaddrs().len()
+        {
+            return Err("names a different number of hosts and hostaddrs".into());
         }
-        // A dead peer is noticed in about 30 s even when no query is running.
-        config
-            .keepalives(true)
-            .keepalives_idle(Duration::from_secs(15))
-            .keepalives_interval(Duration::from_secs(5))
-            .keepalives_retries(3);
         let shown_tls: Vec<(&str, &str)> = ["sslmode", "sslrootcert", "sslcert", "sslkey"]
             .into_iter()
             .filter_map(param)
@@ -154,6 +220,7 @@ impl FromStr for DatabaseTarget {
         let redacted = shown_database(&config, &shown_tls, url_form);
         Ok(DatabaseTarget {
             config,
+            hosts,
             tls,
             redacted,
         })
@@ -399,21 +466,53 @@ fn misplaced_userinfo(url: &str) -> Result<(), String> {
 /// text given, so no malformed input can carry a password into the output.
 fn shown_database(config: &tokio_postgres::Config, tls: &[(&str, &str)], url_form: bool) -> String {
     use tokio_postgres::config::Host;
-    let hosts: Vec<String> = config
-        .get_hosts()
-        .iter()
-        .enumerate()
-        .map(|(i, host)| {
-            let name = match host {
+    let names: Vec<String> = if config.get_hosts().is_empty() {
+        let addrs = config.get_hostaddrs().iter();
+        addrs.map(ToString::to_string).collect()
+    } else {
+        let hosts = config.get_hosts().iter();
+        hosts
+            .map(|host| match host {
                 Host::Tcp(name) => name.clone(),
                 Host::Unix(path) => path.display().to_string(),
+            })
+            .collect()
+    };
+    let port = |i: usize| config.get_ports().get(i).or(config.get_ports().first());
+    let hosts: Vec<String> = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let name = if name.contains(':') && !name.starts_with('/') {
+                format!("[{name}]")
+            } else {
+                name.clone()
             };
-            match config.get_ports().get(i).or(config.get_ports().first()) {
+            match port(i) {
                 Some(port) => format!("{name}:{port}"),
                 None => name,
             }
         })
         .collect();
+    // Where to connect besides the hosts: none of it is secret.
+    let mut shown: Vec<(&str, String)> = Vec::new();
+    if !config.get_hosts().is_empty() && !config.get_hostaddrs().is_empty() {
+        let addrs: Vec<String> = config
+            .get_hostaddrs()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        shown.push(("hostaddr", addrs.join(",")));
+    }
+    match config.get_target_session_attrs() {
+        TargetSessionAttrs::ReadWrite => shown.push(("target_session_attrs", "read-write".into())),
+        TargetSessionAttrs::ReadOnly => shown.push(("target_session_attrs", "read-only".into())),
+        _ => {}
+    }
+    if config.get_load_balance_hosts() == LoadBalanceHosts::Random {
+        shown.push(("load_balance_hosts", "random".into()));
+    }
+    shown.extend(tls.iter().map(|(k, v)| (*k, (*v).to_string())));
     let user = config.get_user().unwrap_or_default();
     let password = config.get_password().is_some();
     let dbname = config.get_dbname().unwrap_or_default();
@@ -423,15 +522,19 @@ fn shown_database(config: &tokio_postgres::Config, tls: &[(&str, &str)], url_for
             (false, true) => format!("{user}:{MASK}@"),
             (false, false) => format!("{user}@"),
         };
-        let mut shown = format!("postgres://{userinfo}{}/{dbname}", hosts.join(","));
-        let query: Vec<String> = tls.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let mut url = format!("postgres://{userinfo}{}/{dbname}", hosts.join(","));
+        let query: Vec<String> = shown.iter().map(|(k, v)| format!("{k}={v}")).collect();
         if !query.is_empty() {
-            shown.push('?');
-            shown.push_str(&query.join("&"));
+            url.push('?');
+            url.push_str(&query.join("&"));
         }
-        shown
+        url
     } else {
-        let mut pairs = vec![format!("host={}", hosts.join(","))];
+        let mut pairs = vec![format!("host={}", names.join(","))];
+        let ports: Vec<String> = config.get_ports().iter().map(u16::to_string).collect();
+        if !ports.is_empty() {
+            pairs.push(format!("port={}", ports.join(",")));
+        }
         if !user.is_empty() {
             pairs.push(format!("user={user}"));
         }
@@ -441,7 +544,7 @@ fn shown_database(config: &tokio_postgres::Config, tls: &[(&str, &str)], url_for
         if !dbname.is_empty() {
             pairs.push(format!("dbname={dbname}"));
         }
-        pairs.extend(tls.iter().map(|(k, v)| format!("{k}={v}")));
+        pairs.extend(shown.iter().map(|(k, v)| format!("{k}={v}")));
         pairs.join(" ")
     }
 }
@@ -737,6 +840,57 @@ mod tests {
         ] {
             let error = bad.parse::<AmqpTarget>().unwrap_err();
             assert!(error.contains(says), "{bad}: {error}");
+            assert!(!error.contains("pa55"), "{error}");
+        }
+    }
+
+    #[test]
+    fn several_hosts_are_each_tried_alone_and_shown_without_the_password() {
+        let url: DatabaseTarget =
+            "postgres://app:pa55@h1:5432,[::1]:5433/db?target_session_attrs=read-write&connect_timeout=2"
+                .parse()
+                .unwrap();
+        assert_eq!(
+            url.to_string(),
+            "postgres://app:***@h1:5432,[::1]:5433/db?target_session_attrs=read-write"
+        );
+        assert!(url.wants_writable());
+        assert_eq!(url.connect_timeout(), Duration::from_secs(2));
+        assert_eq!(url.connect_deadline(), Duration::from_secs(4));
+        let hosts = url.hosts();
+        assert_eq!(hosts.len(), 2);
+        assert_eq!(hosts[1].get_ports(), [5433]);
+        assert_eq!(hosts[1].get_password(), Some(&b"pa55"[..]));
+        assert_eq!(
+            hosts[0].get_target_session_attrs(),
+            TargetSessionAttrs::ReadWrite
+        );
+
+        let pairs: DatabaseTarget =
+            "host=h1,h2 port=5432,5433 user=app password=pa55 dbname=db target_session_attrs=read-write"
+                .parse()
+                .unwrap();
+        assert_eq!(
+            pairs.to_string(),
+            "host=h1,h2 port=5432,5433 user=app password=*** dbname=db target_session_attrs=read-write"
+        );
+        assert_eq!(pairs.hosts()[1].get_dbname(), Some("db"));
+
+        let by_address: DatabaseTarget = "hostaddr=10.0.0.1,10.0.0.2 port=6432 dbname=db"
+            .parse()
+            .unwrap();
+        assert_eq!(by_address.hosts().len(), 2);
+        assert_eq!(
+            by_address.to_string(),
+            "host=10.0.0.1,10.0.0.2 port=6432 dbname=db"
+        );
+
+        for bad in [
+            "host=h1,h2,h3 port=1,2 password=pa55",
+            "host=h1,h2 hostaddr=10.0.0.1 password=pa55",
+            "postgres://u:pa55@h1,[::1/db",
+        ] {
+            let error = bad.parse::<DatabaseTarget>().unwrap_err();
             assert!(!error.contains("pa55"), "{error}");
         }
     }

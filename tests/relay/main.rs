@@ -6,6 +6,7 @@ mod cli;
 mod delivery;
 mod deploy;
 mod endpoints;
+mod failover;
 mod faults;
 mod http;
 mod memory;

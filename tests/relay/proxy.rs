@@ -1,7 +1,8 @@
 //! A TCP proxy owned by a test, between the relay and the broker or the
 //! database. It passes bytes, delays them, stalls (keeps the connection open
-//! and drops every byte: a half-open path), resets every connection (RST), or
-//! refuses new ones; both at once are the node behind it dying.
+//! and drops every byte: a half-open path), resets every connection (RST),
+//! refuses new ones (both at once are the node behind it dying), or cuts the
+//! path as a network partition does (at once, or when given bytes go by).
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -22,6 +23,12 @@ pub enum Mode {
     Stall,
     /// New connections are reset at once (the upstream looks down).
     Refuse,
+    /// Like `Stall`, and a side that closes is not closed on the other
+    /// either: a network partition carries no FIN or RST.
+    Partition,
+    /// Passes bytes until a chunk holding these bytes goes by (either way),
+    /// then partitions every connection (that chunk is dropped too).
+    PartitionOn(&'static [u8]),
 }
 
 struct Shared {
@@ -57,8 +64,7 @@ impl Proxy {
                         drop(client);
                         continue;
                     }
-                    let task =
-                        tokio::spawn(relay_connection(client, upstream, shared.mode.subscribe()));
+                    let task = tokio::spawn(relay_connection(client, upstream, shared.clone()));
                     let mut connections = shared.connections.lock().unwrap();
                     connections.retain(|t| !t.is_finished());
                     connections.push(task);
@@ -103,7 +109,7 @@ impl Drop for Proxy {
     }
 }
 
-async fn relay_connection(client: TcpStream, upstream: SocketAddr, mode: watch::Receiver<Mode>) {
+async fn relay_connection(client: TcpStream, upstream: SocketAddr, shared: Arc<Shared>) {
     let Ok(server) = TcpStream::connect(upstream).await else {
         return;
     };
@@ -112,8 +118,8 @@ async fn relay_connection(client: TcpStream, upstream: SocketAddr, mode: watch::
     let _ = client.set_nodelay(true);
     let (client_read, client_write) = client.into_split();
     let (server_read, server_write) = server.into_split();
-    let up = pump(client_read, server_write, mode.clone());
-    let down = pump(server_read, client_write, mode);
+    let up = pump(client_read, server_write, &shared);
+    let down = pump(server_read, client_write, &shared);
     // Either direction ending ends both; dropping the halves resets the sockets.
     tokio::select! {
         () = up => {}
@@ -124,20 +130,35 @@ async fn relay_connection(client: TcpStream, upstream: SocketAddr, mode: watch::
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
-    mode: watch::Receiver<Mode>,
+    shared: &Shared,
 ) {
     let mut buffer = vec![0u8; 64 * 1024];
     loop {
         let n = match from.read(&mut buffer).await {
-            Ok(0) | Err(_) => return,
+            Ok(0) | Err(_) => {
+                if *shared.mode.borrow() == Mode::Partition {
+                    // The other side never hears of it.
+                    std::future::pending::<()>().await;
+                }
+                return;
+            }
             Ok(n) => n,
         };
-        let current = *mode.borrow();
+        let current = *shared.mode.borrow();
         match current {
             Mode::Pass => {}
             Mode::Delay(delay) => tokio::time::sleep(delay).await,
-            Mode::Stall => continue,
+            Mode::Stall | Mode::Partition => continue,
             Mode::Refuse => return,
+            Mode::PartitionOn(bytes) => {
+                if buffer[..n]
+                    .windows(bytes.len())
+                    .any(|window| window == bytes)
+                {
+                    shared.mode.send_replace(Mode::Partition);
+                    continue;
+                }
+            }
         }
         if to.write_all(&buffer[..n]).await.is_err() {
             return;

@@ -802,3 +802,28 @@ pub async fn check_history(
     );
     received.len() - total
 }
+
+/// A TCP port free on the loopback now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// The newest PostgreSQL binaries on this machine.
+pub fn postgres_bin() -> PathBuf {
+    let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .expect("PostgreSQL binaries in /usr/lib/postgresql")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .collect();
+    versions.sort();
+    versions.pop().expect("a PostgreSQL version").join("bin")
+}
+
+/// A command run as the `postgres` user (initdb refuses root).
+pub fn as_postgres(args: &[&str]) -> Command {
+    let mut command = Command::new("runuser");
+    command.args(["-u", "postgres", "--"]).args(args);
+    command
+}

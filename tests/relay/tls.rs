@@ -20,8 +20,8 @@ use tokio_postgres::NoTls;
 use tokio_rustls::rustls;
 
 use crate::support::{
-    self, Broker, Outbox, eventually, http_get, relay_command, relay_env, set_env, spawn_relay,
-    start_relay, unique,
+    self, Broker, Outbox, as_postgres, eventually, free_port, http_get, postgres_bin,
+    relay_command, relay_env, set_env, spawn_relay, start_relay, unique,
 };
 
 /// The private CA (and an unrelated one), with certificates it signed.
@@ -156,28 +156,6 @@ struct Cluster {
     socket_dir: String,
     _stdin: Mutex<ChildStdin>,
     _child: Mutex<Child>,
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
-
-fn postgres_bin() -> PathBuf {
-    let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .expect("PostgreSQL binaries in /usr/lib/postgresql")
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .collect();
-    versions.sort();
-    versions.pop().expect("a PostgreSQL version").join("bin")
-}
-
-fn as_postgres(args: &[&str]) -> Command {
-    let mut command = Command::new("runuser");
-    command.args(["-u", "postgres", "--"]).args(args);
-    command
 }
 
 fn cluster() -> &'static Cluster {

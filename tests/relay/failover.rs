@@ -1,0 +1,587 @@
+//! Several PostgreSQL hosts, failover, and a replica cut off mid-sweep.
+//!
+//! The failover test runs against two real servers: the machine's PostgreSQL
+//! and a cluster of its own started from the machine's binaries (once per
+//! test run, stopped and removed when the run ends). There is no
+//! replication: the same outbox table exists on both, and "the primary" is
+//! the server that takes writes; the other has `default_transaction_read_only`
+//! on (set with ALTER SYSTEM on the private cluster only; the machine's
+//! server is made to look gone by a proxy the test owns).
+
+use std::collections::BTreeMap;
+use std::process::{Child, ChildStdin, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use outbox_relay::config::Config;
+use outbox_relay::store::Store;
+use tokio_postgres::{Client, NoTls};
+
+use crate::proxy::{Mode, Proxy};
+use crate::support::{
+    Broker, Outbox, as_postgres, by_tenant, config, eventually, free_port, postgres_bin,
+    relay_command, start_relay,
+};
+
+/// The private cluster: its port. Its shell parent stops it, and removes its
+/// data, when this process exits and its stdin closes.
+struct Cluster {
+    port: u16,
+    _stdin: Mutex<ChildStdin>,
+    _child: Mutex<Child>,
+}
+
+fn cluster() -> &'static Cluster {
+    static CLUSTER: OnceLock<Cluster> = OnceLock::new();
+    CLUSTER.get_or_init(|| {
+        let dir = tempfile::Builder::new()
+            .prefix("outbox-relay-failover-")
+            .tempdir()
+            .expect("cluster dir")
+            .keep();
+        let status = std::process::Command::new("chown")
+            .args(["-R", "postgres:postgres"])
+            .arg(&dir)
+            .status()
+            .expect("chown");
+        assert!(status.success());
+        let base = dir.display().to_string();
+        let data = format!("{base}/data");
+        let bin = postgres_bin();
+        let initdb = bin.join("initdb").display().to_string();
+        let output = as_postgres(&[
+            &initdb,
+            "-D",
+            &data,
+            "-U",
+            "postgres",
+            "-A",
+            "trust",
+            "--no-sync",
+        ])
+        .output()
+        .expect("initdb runs");
+        assert!(
+            output.status.success(),
+            "initdb: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let port = free_port();
+        let postgres = bin.join("postgres").display().to_string();
+        let script = r#"
+            "$1" -D "$2" -p "$3" -c listen_addresses=127.0.0.1 -c unix_socket_directories="$4" \
+              -c fsync=off -c max_connections=60 >"$4/postgres.log" 2>&1 &
+            pid=$!
+            cat >/dev/null
+            kill -INT "$pid"
+            wait "$pid"
+            rm -rf "$4"
+        "#;
+        let mut child = as_postgres(&[
+            "sh",
+            "-c",
+            script,
+            "sh",
+            &postgres,
+            &data,
+            &port.to_string(),
+            &base,
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("postgres starts");
+        let stdin = child.stdin.take().expect("stdin");
+        let pg_isready = bin.join("pg_isready").display().to_string();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !std::process::Command::new(&pg_isready)
+            .args(["-q", "-h", "127.0.0.1", "-p", &port.to_string()])
+            .status()
+            .is_ok_and(|s| s.success())
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the failover cluster did not start within 30 s: {}",
+                std::fs::read_to_string(format!("{base}/postgres.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let psql = bin.join("psql").display().to_string();
+        let status = as_postgres(&[
+            &psql,
+            "-q",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "-U",
+            "postgres",
+            "-c",
+            "CREATE DATABASE test",
+        ])
+        .status()
+        .expect("psql runs");
+        assert!(status.success(), "database test created");
+        Cluster {
+            port,
+            _stdin: Mutex::new(stdin),
+            _child: Mutex::new(child),
+        }
+    })
+}
+
+impl Cluster {
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/test", self.port)
+    }
+
+    async fn client(&self) -> Client {
+        let (client, connection) = tokio_postgres::connect(&self.url(), NoTls)
+            .await
+            .expect("the failover cluster is reachable");
+        tokio::spawn(connection);
+        client
+    }
+
+    /// Makes the whole cluster take writes or not, every session at once
+    /// (none of them has set the setting itself).
+    async fn set_writable(&self, client: &Client, writable: bool) {
+        let statement = if writable {
+            "ALTER SYSTEM RESET default_transaction_read_only"
+        } else {
+            "ALTER SYSTEM SET default_transaction_read_only = on"
+        };
+        for statement in [statement, "SELECT pg_reload_conf()"] {
+            client
+                .batch_execute(statement)
+                .await
+                .expect("the cluster's settings change");
+        }
+        // The reload reaches each session a moment later.
+        let wanted = if writable { "off" } else { "on" };
+        eventually(
+            "the cluster's sessions see the change",
+            Duration::from_secs(10),
+            || async {
+                let shown = client
+                    .query_one("SHOW default_transaction_read_only", &[])
+                    .await;
+                shown.is_ok_and(|row| row.get::<_, String>(0) == wanted)
+            },
+        )
+        .await;
+    }
+}
+
+/// Only one test at a time turns the private cluster read-only.
+static CLUSTER_IN_USE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// A port nothing listens on.
+fn closed_port() -> u16 {
+    free_port()
+}
+
+/// Inserts `n` rows of `tenant` into `table` through `client`; their ids.
+async fn insert(client: &Client, table: &str, tenant: &str, n: i64) -> Vec<i64> {
+    let sql = format!(
+        "INSERT INTO {table} (tenant_id, kind, subject_id, payload)
+         SELECT $1, 'thing.changed', 's-' || g, '{{\"n\":' || g || '}}'
+         FROM generate_series(1, $2::bigint) g RETURNING id"
+    );
+    // A new transaction sees the server's read-only setting as it is now.
+    let rows = client
+        .query(&sql, &[&tenant, &n])
+        .await
+        .expect("rows inserted on the primary");
+    let mut ids: Vec<i64> = rows.iter().map(|row| row.get(0)).collect();
+    ids.sort_unstable();
+    ids
+}
+
+async fn count(client: &Client, sql: &str) -> i64 {
+    client
+        .query_one(sql, &[])
+        .await
+        .map(|row| row.get(0))
+        .unwrap_or(-1)
+}
+
+/// Waits until the consumer has received every row of `expected` at least
+/// once (a row is marked before its message reaches the consumer).
+async fn all_received(broker: &Broker, expected: &BTreeMap<String, Vec<i64>>) {
+    let total: usize = expected.values().map(Vec::len).sum();
+    eventually("every row received", Duration::from_secs(20), || async {
+        let ids: std::collections::HashSet<i64> = broker.received().iter().map(|r| r.id).collect();
+        ids.len() >= total
+    })
+    .await;
+}
+
+/// Checks on the consumer's side that each tenant's first deliveries are
+/// exactly `expected` (every row, in the order written), duplicates aside.
+fn assert_received_in_order(broker: &Broker, expected: &BTreeMap<String, Vec<i64>>) {
+    let received = by_tenant(&broker.received());
+    for (tenant, ids) in expected {
+        let mut seen = std::collections::HashSet::new();
+        let firsts: Vec<i64> = received
+            .get(tenant)
+            .map(|got| got.iter().copied().filter(|id| seen.insert(*id)).collect())
+            .unwrap_or_default();
+        assert_eq!(&firsts, ids, "{tenant}: every row, in order, nothing lost");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_or_silent_host_first_in_the_list_is_passed_over_in_both_forms() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    // A host that refuses at once, and one that accepts and never answers
+    // (a blackholed address looks the same to the relay: no answer).
+    let silent = Proxy::start("127.0.0.1:5432".parse().unwrap(), Mode::Stall).await;
+    let (closed, silent_port) = (closed_port(), silent.addr.port());
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{closed},127.0.0.1:{silent_port},127.0.0.1:5432/test\
+         ?connect_timeout=1&target_session_attrs=read-write"
+    );
+    let key_value = format!(
+        "host=127.0.0.1,127.0.0.1,127.0.0.1 port={closed},{silent_port},5432 dbname=test \
+         user=postgres connect_timeout=1 target_session_attrs=read-write"
+    );
+    let mut relays = Vec::new();
+    for (tenant, url) in [("url", &url), ("pairs", &key_value)] {
+        let mut config = config(&outbox, &broker, &[tenant]);
+        config.database_url = url.parse().expect("several hosts parse");
+        config.listen_database_url = config.database_url.clone();
+        relays.push(start_relay(config).await);
+    }
+    let mut expected = BTreeMap::new();
+    for tenant in ["url", "pairs"] {
+        expected.insert(tenant.to_string(), outbox.insert_many(tenant, 20).await);
+    }
+    eventually(
+        "every row relayed past the dead hosts",
+        Duration::from_secs(30),
+        || async { outbox.all_pending().await == 0 },
+    )
+    .await;
+    all_received(&broker, &expected).await;
+    assert_received_in_order(&broker, &expected);
+    assert!(
+        silent.accepted() > 0,
+        "the silent host was tried (the test would prove nothing otherwise)"
+    );
+    for relay in relays {
+        relay.stop().await;
+    }
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[test]
+fn several_hosts_are_shown_without_their_password() {
+    for (url, shown) in [
+        (
+            "postgres://app:s3cret@h1:5432,h2:5433/db?target_session_attrs=read-write",
+            "postgres://app:***@h1:5432,h2:5433/db?target_session_attrs=read-write",
+        ),
+        (
+            "host=h1,h2 port=5432,5433 user=app password='s3 cret' dbname=db target_session_attrs=read-write",
+            "host=h1,h2 port=5432,5433 user=app password=*** dbname=db target_session_attrs=read-write",
+        ),
+    ] {
+        let output = relay_command()
+            .env("OUTBOX_TENANTS", "a")
+            .env("OUTBOX_DATABASE_URL", url)
+            .arg("check-config")
+            .output()
+            .expect("check-config runs");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(0), "{stderr}");
+        assert!(!stdout.contains("s3"), "{stdout}");
+        assert!(stdout.contains(shown), "{stdout}");
+    }
+    // A malformed host list is refused, naming the key, quoting nothing.
+    let output = relay_command()
+        .env("OUTBOX_TENANTS", "a")
+        .env(
+            "OUTBOX_DATABASE_URL",
+            "postgres://app:s3cret@h1,[::1/db?target_session_attrs=read-write",
+        )
+        .arg("check-config")
+        .output()
+        .expect("check-config runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("database_url"), "{stderr}");
+    assert!(!stderr.contains("s3cret"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn after_a_failover_the_pool_and_the_listen_connection_move_to_the_new_primary() {
+    let _cluster = CLUSTER_IN_USE.lock().await;
+    let second = tokio::task::spawn_blocking(cluster).await.expect("cluster");
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let table = outbox.qualified();
+    // The same table on the second server, its ids far above the first's.
+    let mut on_second = Config::with_tenants(["migrate"]);
+    on_second.database_url = second.url().parse().expect("url");
+    on_second.schema = outbox.schema.clone();
+    on_second.table = outbox.table.clone();
+    outbox_relay::migrate::run(&Store::new(&on_second).expect("store"), &on_second)
+        .await
+        .expect("migrations apply on the second server");
+    let standby = second.client().await;
+    standby
+        .batch_execute(&format!(
+            "SELECT setval(pg_get_serial_sequence('{table}', 'id'), 1000000000)"
+        ))
+        .await
+        .expect("ids apart");
+    second.set_writable(&standby, false).await;
+
+    // The machine's server, behind a proxy that can make it look gone.
+    let first = Proxy::start("127.0.0.1:5432".parse().unwrap(), Mode::Pass).await;
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{},127.0.0.1:{}/test\
+         ?target_session_attrs=read-write&connect_timeout=2",
+        closed_port(),
+        first.addr.port(),
+        second.port
+    );
+    let mut config = config(&outbox, &broker, &["a", "b"]);
+    config.database_url = url.parse().expect("several hosts parse");
+    config.listen_database_url = config.database_url.clone();
+    config.poll_ms = 200;
+    let relay = start_relay(config).await;
+    let listening_on_second = "SELECT count(*) FROM pg_stat_activity \
+         WHERE application_name LIKE 'outbox-relay:%' AND datname = 'test'";
+    let pending_on_second = format!("SELECT count(*) FROM {table} WHERE published_at IS NULL");
+
+    // 1. The first server is the primary.
+    let mut expected: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    for tenant in ["a", "b"] {
+        expected.insert(tenant.into(), outbox.insert_many(tenant, 30).await);
+    }
+    eventually(
+        "rows on the first primary relayed",
+        Duration::from_secs(30),
+        || async { outbox.all_pending().await == 0 },
+    )
+    .await;
+    assert_eq!(count(&standby, listening_on_second).await, 0);
+
+    // 2. Failover: the first server goes away, the second takes writes.
+    first.set(Mode::Refuse);
+    first.reset();
+    second.set_writable(&standby, true).await;
+    let promoted = Instant::now();
+    for tenant in ["a", "b"] {
+        let ids = insert(&standby, &table, tenant, 30).await;
+        expected.get_mut(tenant).unwrap().extend(ids);
+    }
+    eventually(
+        "rows on the new primary relayed",
+        Duration::from_secs(30),
+        || async { count(&standby, &pending_on_second).await == 0 },
+    )
+    .await;
+    let moved_in = promoted.elapsed();
+    eventually(
+        "the LISTEN connection on the new primary",
+        Duration::from_secs(20),
+        || async { count(&standby, listening_on_second).await == 1 },
+    )
+    .await;
+
+    // 3. Back: the second server is demoted but stays up (its sessions stay
+    // open, now read-only), the first takes writes again.
+    first.set(Mode::Pass);
+    second.set_writable(&standby, false).await;
+    let demoted = Instant::now();
+    eventually(
+        "the LISTEN connection leaves the demoted primary",
+        Duration::from_secs(20),
+        || async { count(&standby, listening_on_second).await == 0 },
+    )
+    .await;
+    for tenant in ["a", "b"] {
+        let ids = outbox.insert_many(tenant, 30).await;
+        expected.get_mut(tenant).unwrap().extend(ids);
+    }
+    eventually(
+        "rows on the first server relayed again",
+        Duration::from_secs(30),
+        || async { outbox.all_pending().await == 0 },
+    )
+    .await;
+    let moved_back_in = demoted.elapsed();
+    all_received(&broker, &expected).await;
+    assert_received_in_order(&broker, &expected);
+    // An outage is no tenant's failure: no row was blamed.
+    let blamed = format!("SELECT count(*) FROM {table} WHERE attempts > 0");
+    assert_eq!(count(&standby, &blamed).await, 0);
+    assert_eq!(count(&outbox.client, &blamed).await, 0);
+    eprintln!("moved to the new primary in {moved_in:?}, back in {moved_back_in:?}");
+
+    relay.stop().await;
+    second.set_writable(&standby, true).await;
+    standby
+        .batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", outbox.schema))
+        .await
+        .expect("schema dropped");
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_cut_off_mid_sweep_loses_its_claim_to_another_within_the_bound() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    // Relay A reaches the database through a path the test cuts as a
+    // partition does (nothing forwarded, no close passed on) the moment A
+    // sends its commit: its claim is open on the server, its rows confirmed
+    // by the broker and not marked.
+    let path = Proxy::start("127.0.0.1:5432".parse().unwrap(), Mode::Pass).await;
+    let mut config_a = config(&outbox, &broker, &["t"]);
+    config_a.database_url = format!("postgres://postgres@127.0.0.1:{}/test", path.addr.port())
+        .parse()
+        .unwrap();
+    config_a.listen_database_url = config_a.database_url.clone();
+    config_a.confirm_timeout_ms = 500;
+    let bound = config_a.claim_idle_timeout();
+    let relay_a = start_relay(config_a).await;
+    eventually("relay A ready", Duration::from_secs(20), || async {
+        relay_a.get("/readyz").await.0 == 200
+    })
+    .await;
+    path.set(Mode::PartitionOn(b"COMMIT"));
+    let mut expected = BTreeMap::new();
+    expected.insert("t".to_string(), outbox.insert_many("t", 10).await);
+    eventually(
+        "relay A published the batch",
+        Duration::from_secs(20),
+        || async { broker.count() >= 10 },
+    )
+    .await;
+    eventually(
+        "the path cut at A's commit",
+        Duration::from_secs(10),
+        || async { outbox.pending("t").await == 10 },
+    )
+    .await;
+    let cut = Instant::now();
+
+    // Relay B, direct, takes the tenant once the server has ended A's
+    // transaction: the claim's idle-in-transaction timeout.
+    let mut config_b = config(&outbox, &broker, &["t"]);
+    config_b.confirm_timeout_ms = 500;
+    let relay_b = start_relay(config_b).await;
+    eventually(
+        "relay B takes the tenant over",
+        bound + Duration::from_secs(15),
+        || async { outbox.pending("t").await == 0 },
+    )
+    .await;
+    let taken_in = cut.elapsed();
+    expected
+        .get_mut("t")
+        .unwrap()
+        .extend(outbox.insert_many("t", 5).await);
+    eventually(
+        "later rows relayed by B",
+        Duration::from_secs(20),
+        || async { outbox.pending("t").await == 0 },
+    )
+    .await;
+    all_received(&broker, &expected).await;
+    assert_received_in_order(&broker, &expected);
+    assert!(
+        taken_in >= bound.saturating_sub(Duration::from_secs(2)),
+        "B took the tenant after {taken_in:?}, before A's transaction could have ended ({bound:?})"
+    );
+    eprintln!("claim bound {bound:?}; taken over {taken_in:?} after the cut");
+
+    relay_b.stop().await;
+    drop(path);
+    relay_a.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+/// The keepalive timer of the server's side of each established connection
+/// from `client_ports`, as `ss` shows it (`timer:(keepalive,14sec,0)`).
+fn server_keepalive_timers(client_ports: &[i32]) -> Vec<String> {
+    let output = std::process::Command::new("ss")
+        .args(["-tnoH", "state", "established", "( sport = :5432 )"])
+        .output()
+        .expect("ss runs");
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter(|line| {
+            client_ports
+                .iter()
+                .any(|port| line.contains(&format!("127.0.0.1:{port} ")))
+        })
+        .filter_map(|line| {
+            let timer = line.split("timer:(").nth(1)?;
+            Some(timer.split(')').next()?.to_string())
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_servers_side_of_every_relay_connection_has_short_keepalives() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let name = crate::support::unique("keepalives");
+    let mut config = config(&outbox, &broker, &["k"]);
+    config.database_url =
+        format!("postgres://postgres@127.0.0.1:5432/test?application_name={name}")
+            .parse()
+            .unwrap();
+    config.listen_database_url = config.database_url.clone();
+    let relay = start_relay(config).await;
+    outbox.insert_many("k", 5).await;
+    eventually("rows relayed", Duration::from_secs(20), || async {
+        outbox.pending("k").await == 0
+    })
+    .await;
+    let ports: Vec<i32> = outbox
+        .client
+        .query(
+            "SELECT client_port FROM pg_stat_activity WHERE application_name = $1",
+            &[&name],
+        )
+        .await
+        .expect("the relay's sessions")
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert!(
+        !ports.is_empty(),
+        "the relay's pooled sessions are named {name}"
+    );
+    // Without the relay's settings the kernel's default shows: 119min.
+    let timers = server_keepalive_timers(&ports);
+    assert_eq!(timers.len(), ports.len(), "{timers:?}");
+    for timer in &timers {
+        let left = timer
+            .strip_prefix("keepalive,")
+            .and_then(|rest| rest.split(',').next())
+            .unwrap_or_else(|| panic!("a keepalive timer, not {timer}"));
+        let seconds: u64 = if left.ends_with("ms") {
+            0
+        } else {
+            left.strip_suffix("sec")
+                .and_then(|secs| secs.parse().ok())
+                .unwrap_or_else(|| panic!("a keepalive timer of seconds, not {timer}"))
+        };
+        assert!(seconds <= 15, "{timer}");
+    }
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
