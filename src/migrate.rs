@@ -54,6 +54,16 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0002_commit_order",
         sql: include_str!("../migrations/0002_commit_order.sql"),
     },
+    Migration {
+        version: 3,
+        name: "0003_parking",
+        sql: include_str!("../migrations/0003_parking.sql"),
+    },
+    Migration {
+        version: 4,
+        name: "0004_pending_index",
+        sql: include_str!("../migrations/0004_pending_index.sql"),
+    },
 ];
 
 /// Creates the record of applied migrations (in the configured schema).
@@ -67,6 +77,11 @@ const INVALID_INDEX: &str = "SELECT 1 FROM pg_index i \
      JOIN pg_class c ON c.oid = i.indexrelid \
      JOIN pg_namespace n ON n.oid = c.relnamespace \
      WHERE n.nspname = $1 AND c.relname = $2 AND NOT i.indisvalid";
+/// A row when `$1` ('"schema"."table"') is a partitioned table, on which
+/// PostgreSQL cannot build or drop an index CONCURRENTLY.
+const PARTITIONED: &str = "SELECT 1 FROM pg_class WHERE oid = to_regclass($1) AND relkind = 'p'";
+/// The psql variable the printed script sets to say the same.
+const PARTITIONED_VAR: &str = "outbox_relay_partitioned";
 /// The migrators' lock (the relay's claims take two int4 keys, the trigger
 /// one bigint of another shape: no key is shared).
 /// A DO block, so that psql prints no result row for it.
@@ -87,13 +102,23 @@ const NO_TRANSACTION_STATEMENT_TIMEOUT: &str = "15min";
 const NO_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(16 * 60);
 
 /// The statements of one migration for `schema`.`table`: the files name the
-/// default table `outbox_message` (and its index `outbox_message_pending`),
+/// default table `outbox_message` (and its indexes `outbox_message_pending`,
+/// `outbox_message_pending_unparked` while it is rebuilt, and
+/// `outbox_message_parked`),
 /// and take the names as string literals where they build SQL themselves
 /// (`{schema_literal}`, `{table_literal}`, `{lock_key_literal}`,
 /// `{channel_literal}`). One pass: what is substituted is never read again,
 /// so a name holding a placeholder's text stays as it is.
 pub fn render(sql: &str, schema: &str, table: &str) -> String {
     let replacements = [
+        (
+            "outbox_message_pending_unparked",
+            quote_ident(&format!("{table}_pending_unparked")),
+        ),
+        (
+            "outbox_message_parked",
+            quote_ident(&format!("{table}_parked")),
+        ),
         (
             "outbox_message_pending",
             quote_ident(&format!("{table}_pending")),
@@ -311,15 +336,38 @@ async fn apply_outside_transaction(
         client.batch_execute(SESSION_UNLOCK).await?;
         return Ok(false);
     }
+    let table = crate::store::qualified_table(&config.schema, &config.table);
+    let partitioned = client
+        .query_typed_opt(PARTITIONED, &[(&table, Type::TEXT)])
+        .await?
+        .is_some();
+    if partitioned {
+        tracing::warn!(
+            schema = %config.schema, table = %config.table,
+            "the table is partitioned: {} builds its indexes without CONCURRENTLY, holding writers out while they are built",
+            migration.name
+        );
+    }
     for statement in statements(&render(migration.sql, &config.schema, &config.table)) {
         if let Some(index) = concurrent_index_name(&statement) {
             drop_invalid_index(client, &config.schema, &index).await?;
         }
+        let statement = if partitioned {
+            without_concurrently(&statement)
+        } else {
+            statement
+        };
         client.batch_execute(&statement).await?;
     }
     record(&**client, config, migration).await?;
     client.batch_execute(SESSION_UNLOCK).await?;
     Ok(true)
+}
+
+/// `statement` with its `CONCURRENTLY` keyword taken out, for a partitioned
+/// table (the migrations write it only in `CREATE INDEX` and `DROP INDEX`).
+fn without_concurrently(statement: &str) -> String {
+    statement.replacen(" CONCURRENTLY", "", 1)
 }
 
 async fn drop_invalid_index(
@@ -431,8 +479,29 @@ fn script_of(migrations: &[Migration], schema: &str, table: &str) -> String {
                  SET search_path TO {};\n",
                 quote_ident(schema)
             );
-            for statement in statements(&sql) {
-                out += &format!("{statement};\n");
+            let statements = statements(&sql);
+            if statements.iter().any(|s| s.contains(" CONCURRENTLY")) {
+                out += &format!(
+                    "-- A partitioned table cannot build an index CONCURRENTLY: there the \
+                     indexes are built without it (writers wait while they are built).\n\
+                     SELECT EXISTS ({}) AS {PARTITIONED_VAR} \\gset\n\\if :{PARTITIONED_VAR}\n",
+                    PARTITIONED.replace(
+                        "$1",
+                        &quote_literal(&crate::store::qualified_table(schema, table))
+                    )
+                );
+                for statement in &statements {
+                    out += &format!("{};\n", without_concurrently(statement));
+                }
+                out += "\\else\n";
+                for statement in &statements {
+                    out += &format!("{statement};\n");
+                }
+                out += "\\endif\n";
+            } else {
+                for statement in statements {
+                    out += &format!("{statement};\n");
+                }
             }
             out += &record;
             out += "RESET lock_timeout;\nRESET statement_timeout;\nRESET search_path;\n";
