@@ -9,8 +9,8 @@
 
 use std::time::Duration;
 
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::Confirmation;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, ShortString};
 
 use crate::config::Config;
@@ -265,7 +265,10 @@ mod tests {
             tenant: "acme".into(),
         }];
         let text = requeued_text(&rows);
-        assert!(text.starts_with("requeued 1 row: id 7 (tenant \"acme\")"), "{text}");
+        assert!(
+            text.starts_with("requeued 1 row: id 7 (tenant \"acme\")"),
+            "{text}"
+        );
         assert!(text.contains("out of order"), "{text}");
         let text = discarded_text(&rows);
         assert!(text.contains("replay skips it"), "{text}");
@@ -274,7 +277,10 @@ mod tests {
             replayed.add(id);
         }
         let text = replayed_text("acme", &replayed);
-        assert!(text.starts_with("replayed 3 rows of tenant \"acme\", ids 3 to 9"), "{text}");
+        assert!(
+            text.starts_with("replayed 3 rows of tenant \"acme\", ids 3 to 9"),
+            "{text}"
+        );
         assert!(text.contains("deduplicate on message_id"), "{text}");
     }
 
@@ -288,7 +294,13 @@ mod tests {
             sent,
         };
         let text = error.to_string();
-        assert!(text.starts_with("replay stopped at row 6: too_large"), "{text}");
-        assert!(text.ends_with("sent before it: 1 row (ids 4 to 4)"), "{text}");
+        assert!(
+            text.starts_with("replay stopped at row 6: too_large"),
+            "{text}"
+        );
+        assert!(
+            text.ends_with("sent before it: 1 row (ids 4 to 4)"),
+            "{text}"
+        );
     }
 }

@@ -88,6 +88,9 @@ const PARTITIONED_VAR: &str = "outbox_relay_partitioned";
 const LOCK: &str =
     "DO $lock$ BEGIN PERFORM pg_advisory_xact_lock(hashtext('outbox-relay migrate')); END $lock$";
 const SESSION_LOCK: &str = "SELECT pg_advisory_lock(hashtext('outbox-relay migrate'))";
+const TRY_SESSION_LOCK: &str = "SELECT pg_try_advisory_lock(hashtext('outbox-relay migrate'))";
+/// How often a migrator asks for the migrators' lock while another holds it.
+const LOCK_RETRY: Duration = Duration::from_millis(100);
 const SESSION_UNLOCK: &str = "SELECT pg_advisory_unlock(hashtext('outbox-relay migrate'))";
 
 /// How long one migration may take on the client's clock, lock wait included.
@@ -221,6 +224,12 @@ pub async fn apply(
     // A connection of its own, closed when done: nothing a migration sets in
     // the session, nor its session lock, goes back to the pool.
     let mut client = Object::take(store.connection().await?);
+    within(
+        "the migrators' lock",
+        NO_TRANSACTION_TIMEOUT,
+        take_lock(&client),
+    )
+    .await?;
     let recorded = within(
         "a migration",
         MIGRATION_TIMEOUT,
@@ -256,6 +265,21 @@ pub async fn apply(
         tracing::info!(schema = %config.schema, table = %config.table, "migrations up to date");
     }
     Ok(())
+}
+
+/// Takes the migrators' lock for the session (held until the connection
+/// closes; the locks each migration takes again are the session's own). It is
+/// asked for again and again rather than waited for: a session waiting in a
+/// statement holds a snapshot, which another migrator's `CREATE INDEX
+/// CONCURRENTLY` would wait for while that one holds the lock (a deadlock).
+async fn take_lock(client: &ClientWrapper) -> Result<(), StoreError> {
+    loop {
+        let taken: bool = client.query_one(TRY_SESSION_LOCK, &[]).await?.try_get(0)?;
+        if taken {
+            return Ok(());
+        }
+        tokio::time::sleep(LOCK_RETRY).await;
+    }
 }
 
 /// Creates the schema (when missing) and the record table; returns the

@@ -323,7 +323,11 @@ impl Relay {
     ) -> SweepOutcome {
         let published = earlier.published + report.confirmed();
         self.metrics.count_published(tenant, published);
-        for delay in earlier.delays.into_iter().chain(self.delays(&rows, &report)) {
+        for delay in earlier
+            .delays
+            .into_iter()
+            .chain(self.delays(&rows, &report))
+        {
             self.metrics.delivered_after(delay);
         }
         match report.refusal {

@@ -7,6 +7,7 @@ mod delivery;
 mod deploy;
 mod faults;
 mod http;
+mod lifecycle;
 mod memory;
 mod order;
 mod pgbouncer;
