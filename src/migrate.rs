@@ -87,11 +87,17 @@ const PARTITIONED_VAR: &str = "outbox_relay_partitioned";
 /// A DO block, so that psql prints no result row for it.
 const LOCK: &str =
     "DO $lock$ BEGIN PERFORM pg_advisory_xact_lock(hashtext('outbox-relay migrate')); END $lock$";
-const SESSION_LOCK: &str = "SELECT pg_advisory_lock(hashtext('outbox-relay migrate'))";
-const TRY_SESSION_LOCK: &str = "SELECT pg_try_advisory_lock(hashtext('outbox-relay migrate'))";
+/// The lock a migration outside a transaction holds for its session, one per
+/// table (two int4 keys, as the claims take, with the first never a table's):
+/// not the migrators' lock, which migrations in a transaction wait for inside
+/// it — with a snapshot that a concurrent index build would wait for in turn.
+/// `$1` = '<schema>.<table>'.
+const TRY_TABLE_LOCK: &str =
+    "SELECT pg_try_advisory_lock(hashtext('outbox-relay migrate'), hashtext($1))";
+const TABLE_UNLOCK: &str =
+    "SELECT pg_advisory_unlock(hashtext('outbox-relay migrate'), hashtext($1))";
 /// How often a migrator asks for the migrators' lock while another holds it.
 const LOCK_RETRY: Duration = Duration::from_millis(100);
-const SESSION_UNLOCK: &str = "SELECT pg_advisory_unlock(hashtext('outbox-relay migrate'))";
 
 /// How long one migration may take on the client's clock, lock wait included.
 pub const MIGRATION_TIMEOUT: Duration = Duration::from_secs(60);
@@ -224,12 +230,6 @@ pub async fn apply(
     // A connection of its own, closed when done: nothing a migration sets in
     // the session, nor its session lock, goes back to the pool.
     let mut client = Object::take(store.connection().await?);
-    within(
-        "the migrators' lock",
-        NO_TRANSACTION_TIMEOUT,
-        take_lock(&client),
-    )
-    .await?;
     let recorded = within(
         "a migration",
         MIGRATION_TIMEOUT,
@@ -267,14 +267,16 @@ pub async fn apply(
     Ok(())
 }
 
-/// Takes the migrators' lock for the session (held until the connection
-/// closes; the locks each migration takes again are the session's own). It is
-/// asked for again and again rather than waited for: a session waiting in a
-/// statement holds a snapshot, which another migrator's `CREATE INDEX
-/// CONCURRENTLY` would wait for while that one holds the lock (a deadlock).
-async fn take_lock(client: &ClientWrapper) -> Result<(), StoreError> {
+/// Takes the table's migrators' lock for the session (see
+/// [`TABLE_LOCK`]). It is asked for again and again rather than waited for:
+/// a session waiting in a statement holds a snapshot, which the holder's
+/// `CREATE INDEX CONCURRENTLY` would wait for (a deadlock).
+async fn take_table_lock(client: &ClientWrapper, table: &str) -> Result<(), StoreError> {
     loop {
-        let taken: bool = client.query_one(TRY_SESSION_LOCK, &[]).await?.try_get(0)?;
+        let taken: bool = client
+            .query_typed_one(TRY_TABLE_LOCK, &[(&table, Type::TEXT)])
+            .await?
+            .try_get(0)?;
         if taken {
             return Ok(());
         }
@@ -352,12 +354,23 @@ async fn apply_outside_transaction(
             "SET lock_timeout = '{LOCK_TIMEOUT}'; \
              SET statement_timeout = '{NO_TRANSACTION_STATEMENT_TIMEOUT}'; \
              SET client_min_messages = warning; \
-             SET search_path TO {}; {SESSION_LOCK}",
+             SET search_path TO {};",
             quote_ident(&config.schema)
         ))
         .await?;
     if is_recorded(&**client, config, migration).await? {
-        client.batch_execute(SESSION_UNLOCK).await?;
+        return Ok(false);
+    }
+    let lock_key = format!("{}.{}", config.schema, config.table);
+    take_table_lock(client, &lock_key).await?;
+    let unlock = async {
+        client
+            .query_typed(TABLE_UNLOCK, &[(&lock_key, Type::TEXT)])
+            .await
+            .map(drop)
+    };
+    if is_recorded(&**client, config, migration).await? {
+        unlock.await?;
         return Ok(false);
     }
     let table = crate::store::qualified_table(&config.schema, &config.table);
@@ -372,11 +385,18 @@ async fn apply_outside_transaction(
             migration.name
         );
     }
+    // A table without rows (a new one) has its indexes built at once: a
+    // concurrent build would wait for every transaction of the database.
+    let empty = client
+        .query_one(&format!("SELECT NOT EXISTS (SELECT 1 FROM {table})"), &[])
+        .await?
+        .try_get::<_, bool>(0)?;
+    let at_once = partitioned || empty;
     for statement in statements(&render(migration.sql, &config.schema, &config.table)) {
         if let Some(index) = concurrent_index_name(&statement) {
             drop_invalid_index(client, &config.schema, &index).await?;
         }
-        let statement = if partitioned {
+        let statement = if at_once {
             without_concurrently(&statement)
         } else {
             statement
@@ -384,14 +404,15 @@ async fn apply_outside_transaction(
         client.batch_execute(&statement).await?;
     }
     record(&**client, config, migration).await?;
-    client.batch_execute(SESSION_UNLOCK).await?;
+    unlock.await?;
     Ok(true)
 }
 
 /// `statement` with its `CONCURRENTLY` keyword taken out, for a partitioned
-/// table (the migrations write it only in `CREATE INDEX` and `DROP INDEX`).
+/// table (the migrations write it, in capitals, only as `CREATE INDEX
+/// CONCURRENTLY` and `DROP INDEX CONCURRENTLY`).
 fn without_concurrently(statement: &str) -> String {
-    statement.replacen(" CONCURRENTLY", "", 1)
+    statement.replacen("INDEX CONCURRENTLY", "INDEX", 1)
 }
 
 async fn drop_invalid_index(
@@ -504,7 +525,7 @@ fn script_of(migrations: &[Migration], schema: &str, table: &str) -> String {
                 quote_ident(schema)
             );
             let statements = statements(&sql);
-            if statements.iter().any(|s| s.contains(" CONCURRENTLY")) {
+            if statements.iter().any(|s| s.contains("INDEX CONCURRENTLY")) {
                 out += &format!(
                     "-- A partitioned table cannot build an index CONCURRENTLY: there the \
                      indexes are built without it (writers wait while they are built).\n\
@@ -590,8 +611,9 @@ mod tests {
     #[test]
     fn the_script_runs_each_migration_in_its_transaction_and_records_it() {
         let script = script("app", "orders_outbox");
-        assert_eq!(script.matches("BEGIN;").count(), 1 + MIGRATIONS.len());
-        assert_eq!(script.matches("COMMIT;").count(), 1 + MIGRATIONS.len());
+        let in_transaction = MIGRATIONS.iter().filter(|m| m.in_transaction()).count();
+        assert_eq!(script.matches("BEGIN;").count(), 1 + in_transaction);
+        assert_eq!(script.matches("COMMIT;").count(), 1 + in_transaction);
         assert!(script.contains("CREATE TABLE IF NOT EXISTS outbox_relay_migrations"));
         assert!(script.contains("VALUES ('orders_outbox', 2, '0002_commit_order')"));
         assert!(script.contains("SET LOCAL search_path TO \"app\";"));
@@ -620,6 +642,35 @@ mod tests {
             "{part}"
         );
         assert!(part.contains("VALUES ('t', 3, '0003_index')"), "{part}");
+    }
+
+    #[test]
+    fn a_partitioned_table_gets_its_indexes_without_concurrently() {
+        let script = script("app", "t");
+        let part = &script[script.find("-- 0004_pending_index").unwrap()..];
+        assert!(
+            part.contains("AS outbox_relay_partitioned \\gset\n\\if :outbox_relay_partitioned\n"),
+            "{part}"
+        );
+        let branches = part.split_once("\\if :outbox_relay_partitioned\n").unwrap().1;
+        let (partitioned, plain) = branches.split_once("\\else\n").unwrap();
+        assert!(!partitioned.contains("INDEX CONCURRENTLY"), "{partitioned}");
+        assert!(
+            partitioned.contains("CREATE INDEX IF NOT EXISTS \"t_pending_unparked\""),
+            "{partitioned}"
+        );
+        assert!(
+            plain.contains("CREATE INDEX CONCURRENTLY IF NOT EXISTS \"t_pending_unparked\""),
+            "{plain}"
+        );
+        assert!(
+            plain.contains("ALTER INDEX \"t_pending_unparked\" RENAME TO \"t_pending\""),
+            "{plain}"
+        );
+        assert_eq!(
+            without_concurrently("DROP INDEX CONCURRENTLY IF EXISTS \"t_pending\""),
+            "DROP INDEX IF EXISTS \"t_pending\""
+        );
     }
 
     #[test]
