@@ -652,7 +652,10 @@ mod tests {
             part.contains("AS outbox_relay_partitioned \\gset\n\\if :outbox_relay_partitioned\n"),
             "{part}"
         );
-        let branches = part.split_once("\\if :outbox_relay_partitioned\n").unwrap().1;
+        let branches = part
+            .split_once("\\if :outbox_relay_partitioned\n")
+            .unwrap()
+            .1;
         let (partitioned, plain) = branches.split_once("\\else\n").unwrap();
         assert!(!partitioned.contains("INDEX CONCURRENTLY"), "{partitioned}");
         assert!(
