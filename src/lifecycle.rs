@@ -126,6 +126,8 @@ pub async fn replay(
     from: i64,
     to: i64,
 ) -> Result<Replayed, ReplayError> {
+    // Which statements fit the table (with or without `discarded_at`).
+    store.check_payload_type().await?;
     let connection = open_connection(&config.amqp_url, "outbox-relay replay")
         .await
         .map_err(|source| ReplayError::Connect {

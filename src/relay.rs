@@ -35,9 +35,10 @@ pub enum SweepOutcome {
     Idle { rows: usize },
     /// Another relay holds the tenant.
     Skipped,
-    /// Row `id` was refused for its own sake once more than
-    /// `park_after_attempts` allows and is parked (the rows before it were
-    /// published): the tenant goes on with its later rows at once.
+    /// Row `id` was refused for its own sake (`too_large`, `invalid`), its
+    /// attempts reached `park_after_attempts`, and it is parked (the rows
+    /// before it were published): the tenant goes on with its later rows at
+    /// once, as after a full batch.
     Parked { id: i64, rows: usize },
     /// Nothing or only a prefix went out: back off.
     Failed(SweepFailure),

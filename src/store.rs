@@ -269,15 +269,14 @@ impl Statements {
 }
 
 /// A statement for a table with the columns of parking (`parking`) or
-/// without them: a line ending in `-- lifecycle` is kept only with them, a
-/// line ending in `-- legacy` only without.
+/// without them: a line with the comment `-- lifecycle` is kept only with
+/// them, a line with `-- legacy` only without.
 fn variant(sql: &str, parking: bool) -> String {
     sql.lines()
         .filter(|line| {
-            let line = line.trim_end();
-            if line.ends_with("-- lifecycle") {
+            if line.contains("-- lifecycle") {
                 parking
-            } else if line.ends_with("-- legacy") {
+            } else if line.contains("-- legacy") {
                 !parking
             } else {
                 true
