@@ -94,6 +94,8 @@ keys! {
     confirm_timeout_ms: u64 ["MS"] = 10_000, int(1, NO_MAX);
     /// Larger payloads are refused as too_large
     max_payload_bytes: usize ["BYTES"] = 16_777_216, int(1, i64::from(u32::MAX));
+    /// Park a row when its own refusal (too_large, invalid) reaches this many attempts; 0 = never
+    park_after_attempts: u64 ["N"] = 0, int(0, i64::from(i32::MAX));
     /// Relay-wide budget of row bytes read and in flight (≥ 2 × max_payload_bytes + 2 MiB)
     max_bytes_in_flight: usize ["BYTES"] = 64 << 20, int(1, NO_MAX),
         check |n: &usize| holds_one_row(*n, max_payload_bytes);

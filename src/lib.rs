@@ -27,7 +27,9 @@
 //!    writes the logs; [`shutdown`] drains sweeps on SIGTERM; [`migrate`]
 //!    creates and upgrades the table (and checks it at start); [`status`] is
 //!    the operator's view from the database; [`tail`] prints what the relay
-//!    publishes, as a consumer sees it.
+//!    publishes, as a consumer sees it; [`lifecycle`] brings parked rows back
+//!    (`requeue`), ends them (`discard`) and sends published rows again
+//!    (`replay`).
 #![forbid(unsafe_code)]
 
 pub mod backoff;
@@ -37,6 +39,7 @@ pub mod domain;
 pub mod envelope;
 pub mod http;
 pub mod lag;
+pub mod lifecycle;
 pub mod metrics;
 pub mod migrate;
 pub mod publisher;
@@ -64,6 +67,11 @@ use crate::shutdown::Shutdown;
 pub enum RunError {
     #[error(transparent)]
     Setup(#[from] SetupError),
+    /// `park_after_attempts` is set, and the table cannot park rows.
+    #[error(
+        "park_after_attempts = {0}, but the outbox table has no columns parked_at and discarded_at; run `outbox-relay migrate` (or apply the SQL of `outbox-relay migrate --print`), set migrate = true, or set park_after_attempts = 0"
+    )]
+    NoParking(u64),
     #[error("cannot listen on {addr}: {source}")]
     Bind {
         addr: std::net::SocketAddr,
@@ -77,6 +85,7 @@ pub enum RunError {
 pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), RunError> {
     let config = Arc::new(config);
     let relay = Arc::new(Relay::from_config(config.clone())?);
+    require_parking(&relay).await?;
     let listener = tokio::net::TcpListener::bind(config.http_addr)
         .await
         .map_err(|source| RunError::Bind {
@@ -91,6 +100,24 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     );
     serve(relay, listener, shutdown).await;
     Ok(())
+}
+
+/// With `park_after_attempts` set and no `migrate = true` to add them, the
+/// table must have the columns of parking: a relay that would never park
+/// what it was told to stops at start, saying how to fix it. A database not
+/// reachable yet is no answer: the relay starts, and parks nothing until
+/// its poll finds the columns.
+async fn require_parking(relay: &Relay) -> Result<(), RunError> {
+    let park_after_attempts = relay.config.park_after_attempts;
+    if park_after_attempts == 0 || relay.config.migrate {
+        return Ok(());
+    }
+    match relay.store.check_payload_type().await {
+        Ok(true) if !relay.store.has_parking_columns() => {
+            Err(RunError::NoParking(park_after_attempts))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Runs an already-built relay on an already-bound listener (tests use port 0).

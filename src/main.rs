@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{ArgGroup, Args, Parser, Subcommand};
 use outbox_relay::config::{CONFIG_FILE_VAR, Config, Flags as KeyFlags, Loaded, Sources};
 use outbox_relay::{migrate, shutdown, store, telemetry};
 
@@ -47,6 +47,41 @@ enum Command {
         /// Each last_error whole, not cut to fit the table.
         #[arg(long)]
         wide: bool,
+    },
+    /// Make parked rows pending again: they go out next of their tenant's
+    /// pending rows, after the rows published while they were parked. Exit 1
+    /// when no parked row matched.
+    #[command(group(ArgGroup::new("which").required(true).args(["id", "tenant"])))]
+    Requeue {
+        /// The parked row's id.
+        #[arg(long, value_name = "N")]
+        id: Option<i64>,
+        /// Every parked row of this tenant.
+        #[arg(long, value_name = "T")]
+        tenant: Option<String>,
+    },
+    /// End a parked row without sending it: it stays in the table, marked
+    /// discarded, never published; replay skips it. Exit 1 when no parked row
+    /// matched.
+    Discard {
+        /// The parked row's id.
+        #[arg(long, value_name = "N")]
+        id: i64,
+    },
+    /// Send a tenant's published rows again, in order, with their original
+    /// message_id and the header outbox-replay: true (consumers that
+    /// deduplicate on message_id drop them). Exit 1 when no row matched or
+    /// one was refused.
+    Replay {
+        /// The tenant whose rows are sent again.
+        #[arg(long, value_name = "T")]
+        tenant: String,
+        /// The first id of the range.
+        #[arg(long, value_name = "A")]
+        from_id: i64,
+        /// The last id of the range (default: the latest).
+        #[arg(long, value_name = "B")]
+        to_id: Option<i64>,
     },
     /// Print each message published to the exchange as it arrives (a
     /// temporary queue, deleted when tail stops).
@@ -133,6 +168,11 @@ fn main() -> ExitCode {
         warn_unknown_env_on_stderr(&loaded);
         return runtime.block_on(status(loaded.config, json, wide));
     }
+    if let Command::Requeue { .. } | Command::Discard { .. } | Command::Replay { .. } = command {
+        // stdout is what changed: no log lines there.
+        warn_unknown_env_on_stderr(&loaded);
+        return runtime.block_on(lifecycle(loaded.config, command));
+    }
     telemetry::init(loaded.config.log_format, &loaded.config.log);
     warn_unknown_env(&loaded);
     let result = runtime.block_on(async move {
@@ -216,6 +256,101 @@ async fn status(config: Config, json: bool, wide: bool) -> ExitCode {
         }
         Err(error) => {
             eprintln!("outbox-relay: cannot read the outbox: {}", causes(&error));
+            ExitCode::from(EXIT_FATAL)
+        }
+    }
+}
+
+/// `requeue`, `discard`, `replay`: print what changed and exit 0; exit 1
+/// when nothing matched or the command failed; 2 on arguments that cannot be
+/// used together.
+async fn lifecycle(config: Config, command: Command) -> ExitCode {
+    use outbox_relay::lifecycle;
+    if let Command::Replay {
+        from_id,
+        to_id: Some(to_id),
+        ..
+    } = &command
+        && to_id < from_id
+    {
+        eprintln!("outbox-relay: --to-id ({to_id}) is below --from-id ({from_id})");
+        return ExitCode::from(EXIT_CONFIG);
+    }
+    let store = match store::Store::new(&config) {
+        Ok(store) => store,
+        Err(error) => {
+            eprintln!("outbox-relay: {error}");
+            return ExitCode::from(EXIT_FATAL);
+        }
+    };
+    type Said = fn(&[store::Changed]) -> String;
+    let (changed, what, said): (_, _, Said) = match command {
+        Command::Requeue { id: Some(id), .. } => (
+            store.requeue(id).await,
+            format!("id {id}"),
+            lifecycle::requeued_text,
+        ),
+        Command::Requeue {
+            tenant: Some(tenant),
+            ..
+        } => (
+            store.requeue_tenant(&tenant).await,
+            format!("tenant {tenant:?}"),
+            lifecycle::requeued_text,
+        ),
+        Command::Discard { id } => (
+            store.discard(id).await,
+            format!("id {id}"),
+            lifecycle::discarded_text,
+        ),
+        Command::Replay {
+            tenant,
+            from_id,
+            to_id,
+        } => return replay(&config, &store, &tenant, from_id, to_id).await,
+        _ => return ExitCode::from(EXIT_CONFIG),
+    };
+    match changed {
+        Ok(rows) if rows.is_empty() => {
+            eprintln!("outbox-relay: no parked row matched ({what}); nothing changed");
+            ExitCode::from(EXIT_FATAL)
+        }
+        Ok(rows) => {
+            print!("{}", said(&rows));
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("outbox-relay: {error}");
+            ExitCode::from(EXIT_FATAL)
+        }
+    }
+}
+
+/// `replay`: exit 0 once every row of the range was confirmed; 1 when none
+/// matched, or one was refused (the error names it).
+async fn replay(
+    config: &Config,
+    store: &store::Store,
+    tenant: &str,
+    from_id: i64,
+    to_id: Option<i64>,
+) -> ExitCode {
+    use outbox_relay::lifecycle;
+    let to = to_id.unwrap_or(i64::MAX);
+    match lifecycle::replay(config, store, tenant, from_id, to).await {
+        Ok(replayed) if replayed.count == 0 => {
+            let to = to_id.map_or_else(|| "the latest".to_string(), |id| id.to_string());
+            eprintln!(
+                "outbox-relay: no published row of tenant {tenant:?} with id from {from_id} to {to}; nothing sent"
+            );
+            ExitCode::from(EXIT_FATAL)
+        }
+        Ok(replayed) => {
+            print!("{}", lifecycle::replayed_text(tenant, &replayed));
+            ExitCode::SUCCESS
+        }
+        Err(error) => {
+            eprintln!("outbox-relay: {error}");
             ExitCode::from(EXIT_FATAL)
         }
     }

@@ -30,6 +30,8 @@ pub struct Metrics {
     /// Written by the scheduler's poll alone.
     lag: GaugeVec,
     tenant_backoff: GaugeVec,
+    /// Written by the scheduler's poll alone.
+    parked: IntGaugeVec,
     amqp_connected: IntGauge,
     amqp_endpoint: IntGaugeVec,
     database_up: IntGauge,
@@ -100,6 +102,14 @@ impl Metrics {
             &["tenant"],
         )
         .expect("valid metric");
+        let parked = IntGaugeVec::new(
+            Opts::new(
+                "outbox_parked_rows",
+                "Rows of the tenant parked (refused for their own sake park_after_attempts times) and not yet requeued or discarded, as the database counts them.",
+            ),
+            &["tenant"],
+        )
+        .expect("valid metric");
         let amqp_connected = IntGauge::new(
             "outbox_amqp_connected",
             "Whether the broker connection is up (1) or not (0).",
@@ -150,6 +160,7 @@ impl Metrics {
             Box::new(delivery_delay.clone()),
             Box::new(lag.clone()),
             Box::new(tenant_backoff.clone()),
+            Box::new(parked.clone()),
             Box::new(amqp_connected.clone()),
             Box::new(amqp_endpoint.clone()),
             Box::new(database_up.clone()),
@@ -174,6 +185,7 @@ impl Metrics {
             }
             lag.with_label_values(&[tenant]).set(0.0);
             tenant_backoff.with_label_values(&[tenant]).set(0.0);
+            parked.with_label_values(&[tenant]).set(0);
         }
         for outcome in Outcome::ALL {
             sweep_duration.with_label_values(&[outcome.as_str()]);
@@ -188,6 +200,7 @@ impl Metrics {
             delivery_delay,
             lag,
             tenant_backoff,
+            parked,
             amqp_connected,
             amqp_endpoint,
             database_up,
@@ -204,6 +217,19 @@ impl Metrics {
             .encode(&self.registry.gather(), &mut buffer)
             .expect("text encoding into memory cannot fail");
         String::from_utf8(buffer).expect("the text format is UTF-8")
+    }
+
+    /// Each configured tenant's parked rows as the poll counted them (a
+    /// tenant the poll did not name has none).
+    pub fn set_parked(&self, tenants: &[String], counts: &[(String, i64)]) {
+        let counts: std::collections::HashMap<&str, i64> = counts
+            .iter()
+            .map(|(tenant, count)| (tenant.as_str(), *count))
+            .collect();
+        for tenant in tenants {
+            let count = counts.get(tenant.as_str()).copied().unwrap_or(0);
+            self.parked.with_label_values(&[tenant]).set(count);
+        }
     }
 
     /// A sweep of `tenant` ended.

@@ -54,6 +54,16 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0002_commit_order",
         sql: include_str!("../migrations/0002_commit_order.sql"),
     },
+    Migration {
+        version: 3,
+        name: "0003_parking",
+        sql: include_str!("../migrations/0003_parking.sql"),
+    },
+    Migration {
+        version: 4,
+        name: "0004_pending_index",
+        sql: include_str!("../migrations/0004_pending_index.sql"),
+    },
 ];
 
 /// Creates the record of applied migrations (in the configured schema).
@@ -67,13 +77,27 @@ const INVALID_INDEX: &str = "SELECT 1 FROM pg_index i \
      JOIN pg_class c ON c.oid = i.indexrelid \
      JOIN pg_namespace n ON n.oid = c.relnamespace \
      WHERE n.nspname = $1 AND c.relname = $2 AND NOT i.indisvalid";
+/// A row when `$1` ('"schema"."table"') is a partitioned table, on which
+/// PostgreSQL cannot build or drop an index CONCURRENTLY.
+const PARTITIONED: &str = "SELECT 1 FROM pg_class WHERE oid = to_regclass($1) AND relkind = 'p'";
+/// The psql variable the printed script sets to say the same.
+const PARTITIONED_VAR: &str = "outbox_relay_partitioned";
 /// The migrators' lock (the relay's claims take two int4 keys, the trigger
 /// one bigint of another shape: no key is shared).
 /// A DO block, so that psql prints no result row for it.
 const LOCK: &str =
     "DO $lock$ BEGIN PERFORM pg_advisory_xact_lock(hashtext('outbox-relay migrate')); END $lock$";
-const SESSION_LOCK: &str = "SELECT pg_advisory_lock(hashtext('outbox-relay migrate'))";
-const SESSION_UNLOCK: &str = "SELECT pg_advisory_unlock(hashtext('outbox-relay migrate'))";
+/// The lock a migration outside a transaction holds for its session, one per
+/// table (two int4 keys, as the claims take, with the first never a table's):
+/// not the migrators' lock, which migrations in a transaction wait for inside
+/// it — with a snapshot that a concurrent index build would wait for in turn.
+/// `$1` = '<schema>.<table>'.
+const TRY_TABLE_LOCK: &str =
+    "SELECT pg_try_advisory_lock(hashtext('outbox-relay migrate'), hashtext($1))";
+const TABLE_UNLOCK: &str =
+    "SELECT pg_advisory_unlock(hashtext('outbox-relay migrate'), hashtext($1))";
+/// How often a migrator asks for the migrators' lock while another holds it.
+const LOCK_RETRY: Duration = Duration::from_millis(100);
 
 /// How long one migration may take on the client's clock, lock wait included.
 pub const MIGRATION_TIMEOUT: Duration = Duration::from_secs(60);
@@ -87,13 +111,23 @@ const NO_TRANSACTION_STATEMENT_TIMEOUT: &str = "15min";
 const NO_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(16 * 60);
 
 /// The statements of one migration for `schema`.`table`: the files name the
-/// default table `outbox_message` (and its index `outbox_message_pending`),
+/// default table `outbox_message` (and its indexes `outbox_message_pending`,
+/// `outbox_message_pending_unparked` while it is rebuilt, and
+/// `outbox_message_parked`),
 /// and take the names as string literals where they build SQL themselves
 /// (`{schema_literal}`, `{table_literal}`, `{lock_key_literal}`,
 /// `{channel_literal}`). One pass: what is substituted is never read again,
 /// so a name holding a placeholder's text stays as it is.
 pub fn render(sql: &str, schema: &str, table: &str) -> String {
     let replacements = [
+        (
+            "outbox_message_pending_unparked",
+            quote_ident(&format!("{table}_pending_unparked")),
+        ),
+        (
+            "outbox_message_parked",
+            quote_ident(&format!("{table}_parked")),
+        ),
         (
             "outbox_message_pending",
             quote_ident(&format!("{table}_pending")),
@@ -233,6 +267,23 @@ pub async fn apply(
     Ok(())
 }
 
+/// Takes the table's migrators' lock for the session (see
+/// [`TABLE_LOCK`]). It is asked for again and again rather than waited for:
+/// a session waiting in a statement holds a snapshot, which the holder's
+/// `CREATE INDEX CONCURRENTLY` would wait for (a deadlock).
+async fn take_table_lock(client: &ClientWrapper, table: &str) -> Result<(), StoreError> {
+    loop {
+        let taken: bool = client
+            .query_typed_one(TRY_TABLE_LOCK, &[(&table, Type::TEXT)])
+            .await?
+            .try_get(0)?;
+        if taken {
+            return Ok(());
+        }
+        tokio::time::sleep(LOCK_RETRY).await;
+    }
+}
+
 /// Creates the schema (when missing) and the record table; returns the
 /// versions recorded for the table.
 async fn prepare(client: &mut ClientWrapper, config: &Config) -> Result<BTreeSet<i32>, StoreError> {
@@ -303,23 +354,65 @@ async fn apply_outside_transaction(
             "SET lock_timeout = '{LOCK_TIMEOUT}'; \
              SET statement_timeout = '{NO_TRANSACTION_STATEMENT_TIMEOUT}'; \
              SET client_min_messages = warning; \
-             SET search_path TO {}; {SESSION_LOCK}",
+             SET search_path TO {};",
             quote_ident(&config.schema)
         ))
         .await?;
     if is_recorded(&**client, config, migration).await? {
-        client.batch_execute(SESSION_UNLOCK).await?;
         return Ok(false);
     }
+    let lock_key = format!("{}.{}", config.schema, config.table);
+    take_table_lock(client, &lock_key).await?;
+    let unlock = async {
+        client
+            .query_typed(TABLE_UNLOCK, &[(&lock_key, Type::TEXT)])
+            .await
+            .map(drop)
+    };
+    if is_recorded(&**client, config, migration).await? {
+        unlock.await?;
+        return Ok(false);
+    }
+    let table = crate::store::qualified_table(&config.schema, &config.table);
+    let partitioned = client
+        .query_typed_opt(PARTITIONED, &[(&table, Type::TEXT)])
+        .await?
+        .is_some();
+    if partitioned {
+        tracing::warn!(
+            schema = %config.schema, table = %config.table,
+            "the table is partitioned: {} builds its indexes without CONCURRENTLY, holding writers out while they are built",
+            migration.name
+        );
+    }
+    // A table without rows (a new one) has its indexes built at once: a
+    // concurrent build would wait for every transaction of the database.
+    let empty = client
+        .query_one(&format!("SELECT NOT EXISTS (SELECT 1 FROM {table})"), &[])
+        .await?
+        .try_get::<_, bool>(0)?;
+    let at_once = partitioned || empty;
     for statement in statements(&render(migration.sql, &config.schema, &config.table)) {
         if let Some(index) = concurrent_index_name(&statement) {
             drop_invalid_index(client, &config.schema, &index).await?;
         }
+        let statement = if at_once {
+            without_concurrently(&statement)
+        } else {
+            statement
+        };
         client.batch_execute(&statement).await?;
     }
     record(&**client, config, migration).await?;
-    client.batch_execute(SESSION_UNLOCK).await?;
+    unlock.await?;
     Ok(true)
+}
+
+/// `statement` with its `CONCURRENTLY` keyword taken out, for a partitioned
+/// table (the migrations write it, in capitals, only as `CREATE INDEX
+/// CONCURRENTLY` and `DROP INDEX CONCURRENTLY`).
+fn without_concurrently(statement: &str) -> String {
+    statement.replacen("INDEX CONCURRENTLY", "INDEX", 1)
 }
 
 async fn drop_invalid_index(
@@ -431,8 +524,29 @@ fn script_of(migrations: &[Migration], schema: &str, table: &str) -> String {
                  SET search_path TO {};\n",
                 quote_ident(schema)
             );
-            for statement in statements(&sql) {
-                out += &format!("{statement};\n");
+            let statements = statements(&sql);
+            if statements.iter().any(|s| s.contains("INDEX CONCURRENTLY")) {
+                out += &format!(
+                    "-- A partitioned table cannot build an index CONCURRENTLY: there the \
+                     indexes are built without it (writers wait while they are built).\n\
+                     SELECT EXISTS ({}) AS {PARTITIONED_VAR} \\gset\n\\if :{PARTITIONED_VAR}\n",
+                    PARTITIONED.replace(
+                        "$1",
+                        &quote_literal(&crate::store::qualified_table(schema, table))
+                    )
+                );
+                for statement in &statements {
+                    out += &format!("{};\n", without_concurrently(statement));
+                }
+                out += "\\else\n";
+                for statement in &statements {
+                    out += &format!("{statement};\n");
+                }
+                out += "\\endif\n";
+            } else {
+                for statement in statements {
+                    out += &format!("{statement};\n");
+                }
             }
             out += &record;
             out += "RESET lock_timeout;\nRESET statement_timeout;\nRESET search_path;\n";
@@ -497,8 +611,9 @@ mod tests {
     #[test]
     fn the_script_runs_each_migration_in_its_transaction_and_records_it() {
         let script = script("app", "orders_outbox");
-        assert_eq!(script.matches("BEGIN;").count(), 1 + MIGRATIONS.len());
-        assert_eq!(script.matches("COMMIT;").count(), 1 + MIGRATIONS.len());
+        let in_transaction = MIGRATIONS.iter().filter(|m| m.in_transaction()).count();
+        assert_eq!(script.matches("BEGIN;").count(), 1 + in_transaction);
+        assert_eq!(script.matches("COMMIT;").count(), 1 + in_transaction);
         assert!(script.contains("CREATE TABLE IF NOT EXISTS outbox_relay_migrations"));
         assert!(script.contains("VALUES ('orders_outbox', 2, '0002_commit_order')"));
         assert!(script.contains("SET LOCAL search_path TO \"app\";"));
@@ -527,6 +642,38 @@ mod tests {
             "{part}"
         );
         assert!(part.contains("VALUES ('t', 3, '0003_index')"), "{part}");
+    }
+
+    #[test]
+    fn a_partitioned_table_gets_its_indexes_without_concurrently() {
+        let script = script("app", "t");
+        let part = &script[script.find("-- 0004_pending_index").unwrap()..];
+        assert!(
+            part.contains("AS outbox_relay_partitioned \\gset\n\\if :outbox_relay_partitioned\n"),
+            "{part}"
+        );
+        let branches = part
+            .split_once("\\if :outbox_relay_partitioned\n")
+            .unwrap()
+            .1;
+        let (partitioned, plain) = branches.split_once("\\else\n").unwrap();
+        assert!(!partitioned.contains("INDEX CONCURRENTLY"), "{partitioned}");
+        assert!(
+            partitioned.contains("CREATE INDEX IF NOT EXISTS \"t_pending_unparked\""),
+            "{partitioned}"
+        );
+        assert!(
+            plain.contains("CREATE INDEX CONCURRENTLY IF NOT EXISTS \"t_pending_unparked\""),
+            "{plain}"
+        );
+        assert!(
+            plain.contains("ALTER INDEX \"t_pending_unparked\" RENAME TO \"t_pending\""),
+            "{plain}"
+        );
+        assert_eq!(
+            without_concurrently("DROP INDEX CONCURRENTLY IF EXISTS \"t_pending\""),
+            "DROP INDEX IF EXISTS \"t_pending\""
+        );
     }
 
     #[test]

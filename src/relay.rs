@@ -18,7 +18,7 @@ use crate::domain::{BatchReport, FailureReason, OutboxRow, Outcome, Refusal};
 use crate::lag::LagTracker;
 use crate::metrics::Metrics;
 use crate::publisher::{Progress, PublishError, Publisher};
-use crate::store::{Claim, Store, StoreError};
+use crate::store::{Claim, Settled, Store, StoreError};
 use crate::wakeup::Wakeups;
 
 /// At most this many full batches go out in one transaction (one claim):
@@ -35,6 +35,11 @@ pub enum SweepOutcome {
     Idle { rows: usize },
     /// Another relay holds the tenant.
     Skipped,
+    /// Row `id` was refused for its own sake (`too_large`, `invalid`), its
+    /// attempts reached `park_after_attempts`, and it is parked (the rows
+    /// before it were published): the tenant goes on with its later rows at
+    /// once, as after a full batch.
+    Parked { id: i64, rows: usize },
     /// Nothing or only a prefix went out: back off.
     Failed(SweepFailure),
 }
@@ -42,7 +47,7 @@ pub enum SweepOutcome {
 impl SweepOutcome {
     pub fn kind(&self) -> Outcome {
         match self {
-            SweepOutcome::Published { .. } => Outcome::Published,
+            SweepOutcome::Published { .. } | SweepOutcome::Parked { .. } => Outcome::Published,
             SweepOutcome::Idle { .. } => Outcome::Idle,
             SweepOutcome::Skipped => Outcome::Skipped,
             SweepOutcome::Failed(_) => Outcome::Failed,
@@ -255,7 +260,7 @@ impl Relay {
             );
             drop(budget);
             return match settled {
-                Ok(rows) => self.settled(tenant, &rows, full, report, earlier),
+                Ok(settled) => self.settled(tenant, settled, full, report, earlier),
                 // Confirmed but not marked: these rows go out again (at least once).
                 Err(error) => SweepOutcome::Failed(error.into()),
             };
@@ -314,17 +319,35 @@ impl Relay {
     fn settled(
         &self,
         tenant: &str,
-        rows: &[OutboxRow],
+        Settled { rows, parked }: Settled,
         full: bool,
         report: BatchReport,
         earlier: Earlier,
     ) -> SweepOutcome {
         let published = earlier.published + report.confirmed();
         self.metrics.count_published(tenant, published);
-        for delay in earlier.delays.into_iter().chain(self.delays(rows, &report)) {
+        for delay in earlier
+            .delays
+            .into_iter()
+            .chain(self.delays(&rows, &report))
+        {
             self.metrics.delivered_after(delay);
         }
         match report.refusal {
+            Some((_, refusal)) if let Some(parked) = parked => {
+                self.metrics.failure(tenant, refusal.reason);
+                tracing::warn!(
+                    tenant,
+                    row = parked.id,
+                    reason = refusal.reason.as_str(),
+                    attempts = parked.attempts,
+                    "row parked: refused for its own sake at park_after_attempts; the tenant goes on with its later rows (requeue or discard it)"
+                );
+                SweepOutcome::Parked {
+                    id: parked.id,
+                    rows: published,
+                }
+            }
             Some((at, refusal)) => {
                 self.metrics.failure(tenant, refusal.reason);
                 SweepOutcome::Failed(SweepFailure::Refused {

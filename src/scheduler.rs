@@ -302,7 +302,9 @@ impl Scheduler {
         let poll_interval = self.relay.config.poll_interval();
         if self.poll.is_none() && now >= self.next_poll {
             let relay = self.relay.clone();
-            let check = !self.payload_checked;
+            // Checked until fit, and while the table lacks the columns of
+            // parking (they appear when `migrate` runs).
+            let check = !self.payload_checked || !self.relay.store.has_parking_columns();
             self.poll = Some(Box::pin(async move {
                 let payload_checked = !check || relay.store.check_payload_type().await?;
                 let listeners = relay.wakeups.members_pattern();
@@ -390,7 +392,12 @@ impl Scheduler {
     /// what it is.
     fn polled(&mut self, result: Result<Polled, StoreError>) {
         let Polled {
-            found: store::Polled { pending, listeners },
+            found:
+                store::Polled {
+                    pending,
+                    listeners,
+                    parked,
+                },
             payload_checked,
         } = match result {
             Ok(polled) => polled,
@@ -438,6 +445,9 @@ impl Scheduler {
             );
             self.relay.metrics.set_lag(tenant, lag);
         }
+        self.relay
+            .metrics
+            .set_parked(&self.relay.config.tenants, &parked);
         for PendingTenant { tenant, .. } in &pending {
             if !self.schedule.knows(tenant)
                 && self.unconfigured.len() < UNCONFIGURED_WARNINGS
@@ -515,6 +525,9 @@ fn report(tenant: &str, outcome: &SweepOutcome) {
         SweepOutcome::Published { rows } => tracing::debug!(tenant, rows, "published a full batch"),
         SweepOutcome::Idle { rows } => tracing::debug!(tenant, rows, "swept"),
         SweepOutcome::Skipped => tracing::debug!(tenant, "held by another relay; skipped"),
+        SweepOutcome::Parked { id, rows } => {
+            tracing::debug!(tenant, row = id, rows, "parked a row; going on at once")
+        }
         SweepOutcome::Failed(SweepFailure::Refused {
             id,
             published,

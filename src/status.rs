@@ -1,4 +1,4 @@
-//! `outbox-relay status`: each tenant's pending rows, lag and blocking row,
+//! `outbox-relay status`: each tenant's pending and parked rows, lag and blocking row,
 //! as a table for people or JSON for scripts. Exit 1 when any tenant is past
 //! `max_lag_ms`, so a cron job or a CI step can use it as a check.
 
@@ -52,12 +52,13 @@ impl Report {
         let header = [
             "TENANT",
             "PENDING",
+            "PARKED",
             "LAG",
             "BLOCKING ROW",
             "ATTEMPTS",
             "LAST ERROR",
         ];
-        let mut rows: Vec<[String; 6]> = vec![header.map(String::from)];
+        let mut rows: Vec<[String; 7]> = vec![header.map(String::from)];
         for line in &self.tenants {
             let s = &line.status;
             let lag = if s.pending == 0 {
@@ -72,6 +73,7 @@ impl Report {
             rows.push([
                 s.tenant.clone(),
                 s.pending.to_string(),
+                s.parked.to_string(),
                 lag,
                 s.oldest_id.map_or_else(|| "-".into(), |id| id.to_string()),
                 s.attempts.map_or_else(|| "-".into(), |a| a.to_string()),
@@ -80,7 +82,7 @@ impl Report {
                     .map_or_else(|| "-".into(), |e| shorten(e, width)),
             ]);
         }
-        let widths: Vec<usize> = (0..6)
+        let widths: Vec<usize> = (0..7)
             .map(|c| rows.iter().map(|r| r[c].chars().count()).max().unwrap_or(0))
             .collect();
         let mut out = String::new();
@@ -89,7 +91,7 @@ impl Report {
                 .iter()
                 .enumerate()
                 .map(|(c, cell)| {
-                    if c == 5 {
+                    if c == 6 {
                         cell.clone()
                     } else {
                         format!("{cell:<w$}", w = widths[c])
@@ -104,6 +106,12 @@ impl Report {
             out.push_str(&format!(
                 "{lagging} tenant(s) past max_lag_ms ({} ms), marked !\n",
                 self.max_lag_ms
+            ));
+        }
+        let parked: i64 = self.tenants.iter().map(|t| t.status.parked).sum();
+        if parked > 0 {
+            out.push_str(&format!(
+                "{parked} parked row(s): out of their tenants' order until `outbox-relay requeue` or `discard`\n"
             ));
         }
         out
@@ -149,6 +157,7 @@ mod tests {
             oldest_id: blocking.map(|b| b.0),
             attempts: blocking.map(|b| b.1),
             last_error: blocking.and_then(|b| (!b.2.is_empty()).then(|| b.2.to_string())),
+            parked: 0,
         }
     }
 
@@ -172,19 +181,19 @@ mod tests {
         let lines: Vec<&str> = table.lines().collect();
         assert_eq!(
             lines[0],
-            "TENANT   PENDING  LAG      BLOCKING ROW  ATTEMPTS  LAST ERROR"
+            "TENANT   PENDING  PARKED  LAG      BLOCKING ROW  ATTEMPTS  LAST ERROR"
         );
         assert_eq!(
             lines[1],
-            "acme     0        -        -             -         -"
+            "acme     0        0       -        -             -         -"
         );
         assert_eq!(
             lines[2],
-            "globex   12       2m05s !  41            3         unroutable: returned by the broker: 312 NO_ROUTE"
+            "globex   12       0       2m05s !  41            3         unroutable: returned by the broker: 312 NO_ROUTE"
         );
         assert_eq!(
             lines[3],
-            "initech  2        300ms    7             0         -"
+            "initech  2        0       300ms    7             0         -"
         );
         assert_eq!(lines[4], "1 tenant(s) past max_lag_ms (60000 ms), marked !");
     }
@@ -211,6 +220,23 @@ mod tests {
         assert_eq!(t["attempts"], 1);
         assert_eq!(t["last_error"], "nack: the broker nacked the message");
         assert_eq!(t["lagging"], false);
+        assert_eq!(t["parked"], 0);
+    }
+
+    #[test]
+    fn parked_rows_are_counted_and_said() {
+        let mut parked = status("a", 0, 0, None);
+        parked.parked = 2;
+        let report = Report::new(1_000, vec![parked]);
+        let table = report.table(false);
+        assert_eq!(
+            table.lines().nth(1),
+            Some("a       0        2       -    -             -         -")
+        );
+        assert!(table.contains("2 parked row(s)"), "{table}");
+        let value: serde_json::Value = serde_json::from_str(&report.json()).unwrap();
+        assert_eq!(value["tenants"][0]["parked"], 2);
+        assert!(!report.lagging, "parked rows are not lag");
     }
 
     #[test]

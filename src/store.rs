@@ -28,6 +28,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -44,7 +45,7 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Connection, Socket};
 
 use crate::config::{Config, DatabaseTarget};
-use crate::domain::{BatchReport, Lease, OutboxRow, Payload};
+use crate::domain::{BatchReport, FailureReason, Lease, OutboxRow, Payload};
 
 /// Deadline of each round trip of a sweep, and of the poll and lag queries.
 pub const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -69,6 +70,10 @@ const TENANT_LAG: &str = include_str!("store/tenant_lag.sql");
 const TENANT_STATUS: &str = include_str!("store/tenant_status.sql");
 const PAYLOAD_TYPE: &str = include_str!("store/payload_type.sql");
 const WRITABLE: &str = include_str!("store/writable.sql");
+const REQUEUE: &str = include_str!("store/requeue.sql");
+const REQUEUE_TENANT: &str = include_str!("store/requeue_tenant.sql");
+const DISCARD: &str = include_str!("store/discard.sql");
+const REPLAY_BATCH: &str = include_str!("store/replay_batch.sql");
 
 /// The base types of `payload` that `payload::text` turns into the
 /// application's own encoding (as `format_type` names them).
@@ -226,6 +231,15 @@ pub struct Polled {
     /// The application_name of each session LISTENing for wake-ups (see
     /// `wakeup`).
     pub listeners: Vec<String>,
+    /// Each tenant with parked rows (not discarded), and how many.
+    pub parked: Vec<(String, i64)>,
+}
+
+/// A row a `requeue` or `discard` changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Changed {
+    pub id: i64,
+    pub tenant: String,
 }
 
 /// A tenant as `outbox-relay status` shows it.
@@ -238,9 +252,13 @@ pub struct TenantStatus {
     pub oldest_id: Option<i64>,
     pub attempts: Option<i32>,
     pub last_error: Option<String>,
+    /// Rows parked (not discarded): out of the tenant's order, waiting for
+    /// `requeue` or `discard`.
+    pub parked: i64,
 }
 
-/// The statements with the configured table substituted.
+/// The statements with the configured table substituted, in one of two
+/// variants: for a table with the columns of parking, or without them.
 #[derive(Debug)]
 struct Statements {
     read_batch: String,
@@ -251,15 +269,78 @@ struct Statements {
     pending_tenants: String,
     tenant_lag: String,
     tenant_status: String,
+    requeue: String,
+    requeue_tenant: String,
+    discard: String,
+    replay_batch: String,
     /// `"schema"."table"`, for the payload column check.
     table: String,
+}
+
+impl Statements {
+    /// The statements for `table`; with `parking` false, for a table without
+    /// `parked_at` and `discarded_at` (see [`variant`]).
+    fn new(table: &str, parking: bool) -> Statements {
+        let sql = |text: &str| variant(text, parking).replace("{table}", table);
+        Statements {
+            read_batch: sql(READ_BATCH),
+            read_payload: sql(READ_PAYLOAD),
+            mark_published: sql(MARK_PUBLISHED),
+            unmark_published: sql(UNMARK_PUBLISHED),
+            record_refusal: sql(RECORD_REFUSAL),
+            pending_tenants: sql(PENDING_TENANTS),
+            tenant_lag: sql(TENANT_LAG),
+            tenant_status: sql(TENANT_STATUS),
+            requeue: sql(REQUEUE),
+            requeue_tenant: sql(REQUEUE_TENANT),
+            discard: sql(DISCARD),
+            replay_batch: sql(REPLAY_BATCH),
+            table: table.to_string(),
+        }
+    }
+}
+
+/// A statement for a table with the columns of parking (`parking`) or
+/// without them: a line with the comment `-- lifecycle` is kept only with
+/// them, a line with `-- legacy` only without.
+fn variant(sql: &str, parking: bool) -> String {
+    sql.lines()
+        .filter(|line| {
+            if line.contains("-- lifecycle") {
+                parking
+            } else if line.contains("-- legacy") {
+                !parking
+            } else {
+                true
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Why a `requeue`, `discard` or `replay` could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum LifecycleError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The table lacks `parked_at` and `discarded_at`.
+    #[error(
+        "{0} has no columns parked_at and discarded_at: no row was ever parked; run `outbox-relay migrate` (or apply the SQL of `outbox-relay migrate --print`)"
+    )]
+    NoParking(String),
 }
 
 /// The outbox table of one relay: a pool and its statements.
 #[derive(Clone)]
 pub struct Store {
     pool: Pool,
-    statements: Arc<Statements>,
+    /// With the columns of parking, and without them.
+    statements: Arc<[Statements; 2]>,
+    /// Whether the table has `parked_at` and `discarded_at`, as last checked
+    /// (see [`Store::check_payload_type`]); assumed until a check says not.
+    parking_columns: Arc<AtomicBool>,
+    /// `park_after_attempts`, for the refusals that park (0: never).
+    park_after_attempts: i32,
     /// `'<schema>.<table>'`: the first advisory-lock key.
     lock_key: Arc<str>,
     /// `idle_in_transaction_session_timeout` of a claim, in ms.
@@ -353,6 +434,14 @@ fn decode(
         occurred_at,
         defect: (!defects.is_empty()).then(|| defects.join("; ")),
         cost: usize::try_from(cost).unwrap_or(usize::MAX),
+    })
+}
+
+/// A row of requeue.sql, requeue_tenant.sql or discard.sql.
+fn changed(row: &tokio_postgres::Row) -> Result<Changed, tokio_postgres::Error> {
+    Ok(Changed {
+        id: row.try_get(0)?,
+        tenant: row.try_get(1)?,
     })
 }
 
@@ -484,25 +573,44 @@ impl Store {
             .build()
             .map_err(StoreError::Build)?;
         let table = qualified_table(&config.schema, &config.table);
-        let with_table = |sql: &str| sql.replace("{table}", &table);
         Ok(Store {
             pool,
-            statements: Arc::new(Statements {
-                read_batch: with_table(READ_BATCH),
-                read_payload: with_table(READ_PAYLOAD),
-                mark_published: with_table(MARK_PUBLISHED),
-                unmark_published: with_table(UNMARK_PUBLISHED),
-                record_refusal: with_table(RECORD_REFUSAL),
-                pending_tenants: with_table(PENDING_TENANTS),
-                tenant_lag: with_table(TENANT_LAG),
-                tenant_status: with_table(TENANT_STATUS),
-                table,
-            }),
+            statements: Arc::new([
+                Statements::new(&table, true),
+                Statements::new(&table, false),
+            ]),
+            parking_columns: Arc::new(AtomicBool::new(true)),
+            park_after_attempts: i32::try_from(config.park_after_attempts).unwrap_or(i32::MAX),
             lock_key: format!("{}.{}", config.schema, config.table).into(),
             claim_idle_ms: config.claim_idle_timeout().as_millis().to_string().into(),
             batch_size: i64::try_from(config.batch_size).unwrap_or(i64::MAX),
             max_payload_bytes: i64::try_from(config.max_payload_bytes).unwrap_or(i64::MAX),
         })
+    }
+
+    /// The statements for the table as last checked.
+    fn statements(&self) -> &Statements {
+        let [with, without] = &*self.statements;
+        if self.has_parking_columns() {
+            with
+        } else {
+            without
+        }
+    }
+
+    /// Whether the table has `parked_at` and `discarded_at`, as the last
+    /// [`Store::check_payload_type`] found (assumed until one did).
+    pub fn has_parking_columns(&self) -> bool {
+        self.parking_columns.load(Ordering::Relaxed)
+    }
+
+    /// `park_after_attempts` when `reason` is one that parks (the row's own
+    /// `too_large` or `invalid`), else 0 (never).
+    fn parks_at(&self, reason: FailureReason) -> i32 {
+        match reason {
+            FailureReason::TooLarge | FailureReason::Invalid => self.park_after_attempts,
+            _ => 0,
+        }
     }
 
     /// A pooled connection, within [`POOL_WAIT_TIMEOUT`].
@@ -613,7 +721,7 @@ impl Store {
             (&after, Type::INT8),
         ];
         let rows = client
-            .query_typed_raw(&self.statements.read_batch, params)
+            .query_typed_raw(&self.statements().read_batch, params)
             .await?;
         let mut rows = std::pin::pin!(rows);
         let mut batch = Batch::default();
@@ -633,7 +741,7 @@ impl Store {
     pub async fn tenant_lag(&self, tenants: &[String]) -> Result<Vec<TenantLag>, StoreError> {
         self.query_all(
             "the lag query",
-            &self.statements.tenant_lag,
+            &self.statements().tenant_lag,
             &[(&tenants, Type::TEXT_ARRAY)],
             |row| {
                 Ok(TenantLag {
@@ -650,7 +758,7 @@ impl Store {
     pub async fn tenant_status(&self, tenants: &[String]) -> Result<Vec<TenantStatus>, StoreError> {
         self.query_all(
             "the status query",
-            &self.statements.tenant_status,
+            &self.statements().tenant_status,
             &[(&tenants, Type::TEXT_ARRAY)],
             |row| {
                 Ok(TenantStatus {
@@ -660,6 +768,7 @@ impl Store {
                     oldest_id: row.try_get(3)?,
                     attempts: row.try_get(4)?,
                     last_error: row.try_get(5)?,
+                    parked: row.try_get(6)?,
                 })
             },
         )
@@ -675,31 +784,49 @@ impl Store {
         let rows = self
             .query_all_on_writable(
                 "the poll query",
-                &self.statements.pending_tenants,
+                &self.statements().pending_tenants,
                 &[(&listeners, Type::TEXT)],
-                |row| match row.try_get::<_, Option<String>>(0)? {
-                    Some(tenant) => Ok(Ok(PendingTenant {
-                        tenant,
-                        oldest_id: row.try_get(1)?,
-                        lag_ms: row.try_get(2)?,
-                    })),
-                    None => Ok(Err(row.try_get::<_, String>(3)?)),
+                |row| {
+                    Ok(
+                        match (
+                            row.try_get::<_, Option<String>>(0)?,
+                            row.try_get::<_, Option<i64>>(4)?,
+                        ) {
+                            (Some(tenant), None) => Found::Pending(PendingTenant {
+                                tenant,
+                                oldest_id: row.try_get(1)?,
+                                lag_ms: row.try_get(2)?,
+                            }),
+                            (Some(tenant), Some(parked)) => Found::Parked(tenant, parked),
+                            (None, _) => Found::Listener(row.try_get(3)?),
+                        },
+                    )
                 },
             )
             .await?;
-        let (pending, listeners): (Vec<_>, Vec<_>) = rows.into_iter().partition(Result::is_ok);
-        Ok(Polled {
-            pending: pending.into_iter().filter_map(Result::ok).collect(),
-            listeners: listeners.into_iter().filter_map(Result::err).collect(),
-        })
+        let mut polled = Polled {
+            pending: Vec::new(),
+            listeners: Vec::new(),
+            parked: Vec::new(),
+        };
+        for found in rows {
+            match found {
+                Found::Pending(tenant) => polled.pending.push(tenant),
+                Found::Parked(tenant, parked) => polled.parked.push((tenant, parked)),
+                Found::Listener(name) => polled.listeners.push(name),
+            }
+        }
+        Ok(polled)
     }
 
     /// Checks that the `payload` column is of a type the relay sends as the
     /// application wrote it: `text`, `varchar`, `json` or `jsonb` (or a
     /// domain over one). `Ok(false)`: the table does not exist (yet), nothing
-    /// was checked; an unfit column is [`StoreError::PayloadColumn`].
+    /// was checked; an unfit column is [`StoreError::PayloadColumn`]. Notes
+    /// whether the table has the columns of parking, which decides the
+    /// statements the store runs from now on (see [`variant`]).
     pub async fn check_payload_type(&self) -> Result<bool, StoreError> {
-        let table = &self.statements.table;
+        let table = &self.statements().table;
         let found = self
             .query_all(
                 "the payload column check",
@@ -708,13 +835,15 @@ impl Store {
                 |row| {
                     let declared: Option<String> = row.try_get(0)?;
                     let base: Option<String> = row.try_get(1)?;
-                    Ok(declared.zip(base))
+                    let parking: bool = row.try_get(2)?;
+                    Ok((declared.zip(base), parking))
                 },
             )
             .await?;
-        let Some(column) = found.into_iter().next() else {
+        let Some((column, parking)) = found.into_iter().next() else {
             return Ok(false);
         };
+        self.parking_columns.store(parking, Ordering::Relaxed);
         match column {
             Some((_, base)) if PAYLOAD_TYPES.contains(&base.as_str()) => Ok(true),
             column => Err(StoreError::PayloadColumn {
@@ -722,6 +851,74 @@ impl Store {
                 found: column.map(|(declared, _)| declared),
             }),
         }
+    }
+
+    /// `outbox-relay requeue --id`: the parked row `id` (not discarded)
+    /// becomes pending again; one statement. Empty when no such row.
+    pub async fn requeue(&self, id: i64) -> Result<Vec<Changed>, LifecycleError> {
+        let sql = &self.lifecycle_statements().await?.requeue;
+        Ok(self
+            .query_all("requeue", sql, &[(&id, Type::INT8)], changed)
+            .await?)
+    }
+
+    /// `outbox-relay requeue --tenant`: every parked row of `tenant` (not
+    /// discarded) becomes pending again; one statement.
+    pub async fn requeue_tenant(&self, tenant: &str) -> Result<Vec<Changed>, LifecycleError> {
+        let sql = &self.lifecycle_statements().await?.requeue_tenant;
+        Ok(self
+            .query_all("requeue", sql, &[(&tenant, Type::TEXT)], changed)
+            .await?)
+    }
+
+    /// `outbox-relay discard --id`: ends the parked row `id` unsent; one
+    /// statement. Empty when no such row.
+    pub async fn discard(&self, id: i64) -> Result<Vec<Changed>, LifecycleError> {
+        let sql = &self.lifecycle_statements().await?.discard;
+        Ok(self
+            .query_all("discard", sql, &[(&id, Type::INT8)], changed)
+            .await?)
+    }
+
+    /// The statements, once a check found the table with the columns of
+    /// parking.
+    async fn lifecycle_statements(&self) -> Result<&Statements, LifecycleError> {
+        self.check_payload_type().await?;
+        if !self.has_parking_columns() {
+            return Err(LifecycleError::NoParking(self.statements().table.clone()));
+        }
+        Ok(self.statements())
+    }
+
+    /// A page of `outbox-relay replay`: the tenant's published rows (never a
+    /// discarded one) with `after` < id <= `to`, in id order, at most a
+    /// batch and about `budget` bytes (at least one row), decoded as a
+    /// sweep's batch is.
+    pub async fn replay_page(
+        &self,
+        tenant: &str,
+        after: i64,
+        to: i64,
+        budget: usize,
+    ) -> Result<Vec<OutboxRow>, StoreError> {
+        let budget = i64::try_from(budget).unwrap_or(i64::MAX);
+        let max_payload_bytes = self.max_payload_bytes;
+        let params: [(&(dyn ToSql + Sync), Type); 7] = [
+            (&tenant, Type::TEXT),
+            (&self.batch_size, Type::INT8),
+            (&max_payload_bytes, Type::INT8),
+            (&budget, Type::INT8),
+            (&FIELD_LIMIT, Type::INT8),
+            (&after, Type::INT8),
+            (&to, Type::INT8),
+        ];
+        self.query_all(
+            "the replay read",
+            &self.statements().replay_batch,
+            &params,
+            |row| decode(row, max_payload_bytes),
+        )
+        .await
     }
 
     /// One statement outside any sweep, on a pooled connection, within
@@ -859,6 +1056,28 @@ impl MarksAhead {
     }
 }
 
+/// How a claim ended: its batch, and the row its refusal parked, if any.
+#[derive(Debug)]
+pub struct Settled {
+    pub rows: Vec<OutboxRow>,
+    pub parked: Option<Parked>,
+}
+
+/// A row parked as its sweep settled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Parked {
+    pub id: i64,
+    /// Its attempts, the refusal that parked it included.
+    pub attempts: i32,
+}
+
+/// One row of the poll's statement.
+enum Found {
+    Pending(PendingTenant),
+    Parked(String, i64),
+    Listener(String),
+}
+
 /// A tenant held by this relay: an open transaction with the advisory lock and
 /// the batch it read.
 pub struct Claim {
@@ -912,7 +1131,7 @@ impl Claim {
         };
         let id = row.id;
         let client = self.client();
-        let sql = &self.store.statements.read_payload;
+        let sql = &self.store.statements().read_payload;
         let payload: Option<String> = deadline("reading a payload", async {
             Ok(client
                 .query_typed_one(sql, &[(&id, Type::INT8)])
@@ -941,7 +1160,7 @@ impl Claim {
         let store = self.store.clone();
         let update: Pin<Box<dyn Future<Output = _> + Send>> =
             Box::pin(
-                async move { update_ids(&conn, &store.statements.mark_published, &ids).await },
+                async move { update_ids(&conn, &store.statements().mark_published, &ids).await },
             );
         ahead.sent.push(Box::pin(maybe_done(update)));
         // The first poll sends the statement. The marks sent before are
@@ -1061,9 +1280,11 @@ impl Claim {
 
     /// Ends the claim as the batch went: marks the confirmed prefix (what the
     /// marks sent ahead did not cover), undoes marks sent ahead past it,
-    /// records a refusal known to be the row's, and commits, in one round trip; gives the batch
+    /// records a refusal known to be the row's (parking the row when the
+    /// refusal is one that parks and its attempts reached
+    /// `park_after_attempts`), and commits, in one round trip; gives the batch
     /// back. On any error the transaction is abandoned and nothing is marked.
-    pub async fn settle(mut self, report: &BatchReport) -> Result<Vec<OutboxRow>, StoreError> {
+    pub async fn settle(mut self, report: &BatchReport) -> Result<Settled, StoreError> {
         self.marks_ahead_done().await?;
         let confirmed = report.confirmed();
         let marked = self.ahead.get_mut().unwrap_or_else(|e| e.into_inner()).rows;
@@ -1080,7 +1301,8 @@ impl Claim {
             .filter(|(_, refusal)| refusal.attributed)
             .and_then(|(at, refusal)| Some((self.rows.get(*at)?.id, refusal)));
         let client = self.client();
-        let statements = &self.store.statements;
+        let statements = self.store.statements();
+        let parks_at = refused.map_or(0, |(_, refusal)| self.store.parks_at(refusal.reason));
         let work = async {
             let refused = async {
                 match refused {
@@ -1089,17 +1311,24 @@ impl Claim {
                         // the row's own refusals count as attempts.
                         let attempts = i32::from(refusal.reason.counts_as_attempt());
                         let last_error = refusal.last_error();
-                        let params: [(&(dyn ToSql + Sync), Type); 3] = [
+                        let params: [(&(dyn ToSql + Sync), Type); 4] = [
                             (&id, Type::INT8),
                             (&last_error, Type::TEXT),
                             (&attempts, Type::INT4),
+                            (&parks_at, Type::INT4),
                         ];
-                        client
-                            .execute_typed(&statements.record_refusal, &params)
-                            .await
-                            .map_err(StoreError::from)
+                        let row = client
+                            .query_typed_opt(&statements.record_refusal, &params)
+                            .await?;
+                        Ok::<_, StoreError>(match row {
+                            Some(row) if row.try_get::<_, bool>(1)? => Some(Parked {
+                                id,
+                                attempts: row.try_get(0)?,
+                            }),
+                            _ => None,
+                        })
                     }
-                    None => Ok(0),
+                    None => Ok(None),
                 }
             };
             let (marked, unmarked, recorded, commit) = tokio::join!(
@@ -1112,14 +1341,17 @@ impl Claim {
             // statement's error, not the commit's success.
             marked?;
             unmarked?;
-            recorded?;
+            let parked = recorded?;
             commit?;
-            Ok(())
+            Ok(parked)
         };
         let committed = deadline("the commit", work).await;
-        self.store.dropping_idle_if_read_only(committed)?;
+        let parked = self.store.dropping_idle_if_read_only(committed)?;
         self.release();
-        Ok(std::mem::take(&mut self.rows))
+        Ok(Settled {
+            rows: std::mem::take(&mut self.rows),
+            parked,
+        })
     }
 
     /// Ends the transaction without changes.

@@ -28,6 +28,9 @@ const COLUMNS: [&str; 10] = [
     "last_error",
 ];
 
+/// The columns of parking (migration 0003).
+const PARKING_COLUMNS: [&str; 2] = ["parked_at", "discarded_at"];
+
 const FIX: &str = "run `outbox-relay migrate` or apply the SQL of `outbox-relay migrate --print`";
 
 /// One thing the table lacks.
@@ -41,6 +44,10 @@ pub enum Missing {
     PendingIndex,
     /// The index is INVALID (an interrupted concurrent build).
     InvalidPendingIndex,
+    /// No `parked_at` and `discarded_at` (migration 0003 not applied).
+    ParkingColumns(Vec<String>),
+    /// The pending index still holds parked rows (migration 0004 not applied).
+    PendingIndexWithParked,
     /// No commit-order trigger.
     Trigger,
     /// The trigger exists but does not fire for ordinary sessions.
@@ -66,6 +73,18 @@ impl fmt::Display for Missing {
                 f,
                 "the outbox table's pending index is INVALID (an interrupted build): every poll \
                  and sweep scans the table; drop it and {FIX}"
+            ),
+            Missing::ParkingColumns(columns) => write!(
+                f,
+                "the outbox table has no column {}: rows are never parked (park_after_attempts \
+                 must stay 0), `requeue` and `discard` cannot run, and every poll checks the \
+                 table's columns once more; {FIX}",
+                columns.join(", ")
+            ),
+            Missing::PendingIndexWithParked => write!(
+                f,
+                "the outbox table's pending index still includes parked rows (its predicate \
+                 lacks `parked_at IS NULL`): polls and sweeps step over every parked row; {FIX}"
             ),
             Missing::Trigger => write!(
                 f,
@@ -120,6 +139,7 @@ pub async fn check_schema(store: &Store, config: &Config) -> Result<SchemaReport
     }
     let columns: Vec<String> = row.try_get("columns")?;
     let index_valid: Option<bool> = row.try_get("index_valid")?;
+    let index_predicate: Option<String> = row.try_get("index_predicate")?;
     let enabled: Option<String> = row.try_get("trigger_enabled")?;
     let arguments: Option<Vec<u8>> = row.try_get("trigger_args")?;
     let mut missing = Vec::new();
@@ -136,6 +156,16 @@ pub async fn check_schema(store: &Store, config: &Config) -> Result<SchemaReport
         Some(false) => missing.push(Missing::InvalidPendingIndex),
         Some(true) => {}
     }
+    let no_parking: Vec<String> = PARKING_COLUMNS
+        .iter()
+        .filter(|name| !columns.iter().any(|c| c == *name))
+        .map(|name| name.to_string())
+        .collect();
+    if !no_parking.is_empty() {
+        missing.push(Missing::ParkingColumns(no_parking));
+    } else if index_valid.is_some() && !excludes_parked(index_predicate.as_deref()) {
+        missing.push(Missing::PendingIndexWithParked);
+    }
     if let Some(trigger) = trigger_fault(enabled.as_deref(), arguments.as_deref(), config) {
         missing.push(trigger);
     }
@@ -146,6 +176,12 @@ pub async fn check_schema(store: &Store, config: &Config) -> Result<SchemaReport
         )
     });
     Ok(SchemaReport { missing, trigger })
+}
+
+/// Whether the pending index's predicate (as `pg_get_expr` gives it) leaves
+/// parked rows out.
+fn excludes_parked(predicate: Option<&str>) -> bool {
+    predicate.is_some_and(|p| p.contains("parked_at IS NULL"))
 }
 
 /// What is wrong with the trigger, from its `tgenabled` and `tgargs`.
@@ -201,6 +237,17 @@ mod tests {
             trigger_fault(Some("O"), Some(copied), &config),
             Some(Missing::TriggerArguments)
         );
+    }
+
+    #[test]
+    fn the_pending_index_must_leave_parked_rows_out() {
+        assert!(excludes_parked(Some(
+            "((published_at IS NULL) AND (parked_at IS NULL))"
+        )));
+        assert!(!excludes_parked(Some("(published_at IS NULL)")));
+        assert!(!excludes_parked(None));
+        let text = Missing::PendingIndexWithParked.to_string();
+        assert!(text.contains("parked rows"), "{text}");
     }
 
     #[test]

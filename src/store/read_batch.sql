@@ -8,7 +8,8 @@
 --
 -- `tenant_id` is bounded by a range rather than `=`, and the order is written as
 -- (tenant_id, id): only the partial index (tenant_id, id) WHERE published_at IS
--- NULL yields that order, so the plan cannot fall back to walking the primary
+-- NULL AND parked_at IS NULL yields that order (the query repeats its
+-- predicate, so the planner may use it), so the plan cannot fall back to walking the primary
 -- key and filtering past millions of published rows, whatever the server's cost
 -- settings or statistics. (With `=`, tenant_id is a constant to the planner and
 -- the primary key's order is just as good to it.)
@@ -38,6 +39,7 @@ WITH batch AS (
     FROM {table}
     WHERE current_setting('outbox_relay.claimed', true) = 'true'
       AND tenant_id >= $1 AND tenant_id <= $1 AND published_at IS NULL AND id > $6::bigint
+      AND parked_at IS NULL -- lifecycle
     ORDER BY tenant_id, id
     LIMIT $2
 ), costed AS (

@@ -13,6 +13,7 @@ FROM unnest($1::text[]) WITH ORDINALITY AS t(tenant_id, n)
 LEFT JOIN LATERAL (
     SELECT o.id, o.occurred_at FROM {table} o
     WHERE o.tenant_id >= t.tenant_id AND o.tenant_id <= t.tenant_id AND o.published_at IS NULL
+      AND o.parked_at IS NULL -- lifecycle
     ORDER BY o.tenant_id, o.id LIMIT 1
 ) oldest ON true
 ORDER BY t.n

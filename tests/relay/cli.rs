@@ -259,7 +259,7 @@ async fn migrate_creates_the_configured_table_idempotently() {
         .expect("the partial index exists")
         .get(0);
     assert!(
-        index.contains("(tenant_id, id) WHERE (published_at IS NULL)"),
+        index.contains("(tenant_id, id) WHERE ((published_at IS NULL) AND (parked_at IS NULL))"),
         "{index}"
     );
     client

@@ -9,6 +9,7 @@ mod endpoints;
 mod failover;
 mod faults;
 mod http;
+mod lifecycle;
 mod memory;
 mod order;
 mod pgbouncer;

@@ -1,0 +1,482 @@
+//! Parking and bringing rows back: a row refused for its own sake is parked
+//! after `park_after_attempts` while its tenant goes on; the broker's trouble
+//! parks nothing; `requeue`, `discard` and `replay` as an operator runs them,
+//! checked on the consumer's side, in the table and in `/metrics`.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use serde_json::json;
+
+use crate::proxy::{Mode, Proxy};
+use crate::support::{
+    Broker, Outbox, by_tenant, config, eventually, metric, relay_command, relay_env, start_relay,
+};
+
+/// Runs the binary with the test's table and exchange; exit code, stdout, stderr.
+fn cli(outbox: &Outbox, broker: &Broker, args: &[&str]) -> (Option<i32>, String, String) {
+    let mut command = relay_command();
+    command.envs(relay_env(outbox, broker, &["any"]));
+    let output = command.args(args).output().expect("the binary runs");
+    (
+        output.status.code(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+/// Whether row `id` is parked, and whether it is discarded.
+async fn parked(outbox: &Outbox, id: i64) -> (bool, bool) {
+    let row = outbox
+        .client
+        .query_one(
+            &format!(
+                "SELECT parked_at IS NOT NULL, discarded_at IS NOT NULL FROM {} WHERE id = $1",
+                outbox.qualified()
+            ),
+            &[&id],
+        )
+        .await
+        .expect("read the row");
+    (row.get(0), row.get(1))
+}
+
+/// The tenant's rows neither published nor parked.
+async fn pending(outbox: &Outbox, tenant: &str) -> i64 {
+    outbox
+        .client
+        .query_one(
+            &format!(
+                "SELECT count(*) FROM {} WHERE tenant_id = $1 AND published_at IS NULL AND parked_at IS NULL",
+                outbox.qualified()
+            ),
+            &[&tenant],
+        )
+        .await
+        .expect("count pending rows")
+        .get(0)
+}
+
+/// A row that no message can carry: its headers are not a JSON object.
+async fn poison(outbox: &Outbox, tenant: &str) -> i64 {
+    outbox
+        .insert(
+            tenant,
+            "thing.changed",
+            "p",
+            Some("{}"),
+            Some(json!([1, 2])),
+        )
+        .await
+}
+
+async fn gauge(addr: SocketAddr, tenant: &str) -> Option<f64> {
+    let (_, text) = crate::support::http_get(addr, "/metrics").await;
+    metric(&text, &format!("outbox_parked_rows{{tenant=\"{tenant}\"}}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_row_is_parked_after_n_attempts_and_its_tenant_goes_on() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let mut ids = outbox.insert_many("poisoned", 2).await;
+    let bad = poison(&outbox, "poisoned").await;
+    ids.extend(outbox.insert_many("poisoned", 3).await);
+    let others = outbox.insert_many("other", 10).await;
+    let mut config = config(&outbox, &broker, &["poisoned", "other"]);
+    config.park_after_attempts = 3;
+    config.max_backoff_ms = 100;
+    let relay = start_relay(config.clone()).await;
+
+    eventually(
+        "the tenant goes on past its parked row",
+        Duration::from_secs(20),
+        || async { pending(&outbox, "poisoned").await == 0 },
+    )
+    .await;
+    let row = outbox.row(bad).await;
+    assert!(!row.published, "a parked row is never marked published");
+    assert_eq!(
+        row.attempts, 3,
+        "parked when its attempts reached 3, not before"
+    );
+    assert!(
+        row.last_error
+            .as_deref()
+            .unwrap_or_default()
+            .starts_with("invalid: headers must be a JSON object"),
+        "{row:?}"
+    );
+    assert_eq!(parked(&outbox, bad).await, (true, false));
+    eventually("every row arrives", Duration::from_secs(20), || async {
+        broker.count() == ids.len() + others.len()
+    })
+    .await;
+    let received = by_tenant(&broker.received());
+    assert_eq!(received["poisoned"], ids, "its later rows, in order, once");
+    assert_eq!(received["other"], others, "the other tenant untouched");
+    assert_eq!(outbox.row(others[0]).await.attempts, 0);
+    eventually("the gauge counts it", Duration::from_secs(10), || async {
+        gauge(relay.addr, "poisoned").await == Some(1.0)
+    })
+    .await;
+    assert_eq!(gauge(relay.addr, "other").await, Some(0.0));
+    let (_, text) = relay.get("/metrics").await;
+    assert_eq!(
+        metric(
+            &text,
+            "outbox_publish_failures_total{reason=\"invalid\",tenant=\"poisoned\"}"
+        ),
+        Some(3.0)
+    );
+    relay.stop().await;
+
+    // `status` shows it; the tenant is not blocked nor lagging.
+    let (code, out, err) = cli(
+        &outbox,
+        &broker,
+        &["status", "--json", "--tenants", "poisoned,other"],
+    );
+    assert_eq!(code, Some(0), "{out}{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).expect("json");
+    assert_eq!(report["tenants"][0]["parked"], 1, "{out}");
+    assert_eq!(report["tenants"][0]["pending"], 0, "{out}");
+    assert_eq!(
+        report["tenants"][0]["oldest_id"],
+        serde_json::Value::Null,
+        "{out}"
+    );
+    assert_eq!(report["tenants"][1]["parked"], 0, "{out}");
+    let (_, table, _) = cli(&outbox, &broker, &["status", "--tenants", "poisoned"]);
+    assert!(table.contains("1 parked row(s)"), "{table}");
+
+    // The gauge comes from the database: a fresh relay reports it too.
+    let relay = start_relay(config).await;
+    eventually(
+        "a restarted relay reports the parked row",
+        Duration::from_secs(10),
+        || async { gauge(relay.addr, "poisoned").await == Some(1.0) },
+    )
+    .await;
+    assert_eq!(
+        broker.count(),
+        ids.len() + others.len(),
+        "nothing sent again"
+    );
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+/// A queue bound to `key` that holds `length` messages and then rejects
+/// publishes, which the broker nacks.
+async fn capped_queue(broker: &Broker, key: &str, length: i32) -> String {
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-max-length".into(), AMQPValue::LongInt(length));
+    arguments.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString(LongString::from("reject-publish")),
+    );
+    broker.side_queue(key, arguments).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_brokers_trouble_parks_nothing_even_at_one_attempt() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let proxy = Proxy::start(
+        "127.0.0.1:5672".parse().unwrap(),
+        Mode::Delay(Duration::from_millis(1)),
+    )
+    .await;
+    let mut config = config(&outbox, &broker, &["nacked"]);
+    config.amqp_url = format!("amqp://guest:guest@{}/%2f", proxy.addr)
+        .parse()
+        .expect("amqp url");
+    config.park_after_attempts = 1;
+    config.max_backoff_ms = 100;
+    config.confirm_timeout_ms = 500;
+    let capped = capped_queue(&broker, "nacked.#", 1).await;
+    let ids = outbox.insert_many("nacked", 5).await;
+    let relay = start_relay(config).await;
+
+    // Nacks: counted as attempts, never a reason to park.
+    eventually("nacks are counted", Duration::from_secs(20), || async {
+        outbox.row(ids[1]).await.attempts >= 2
+    })
+    .await;
+    assert_eq!(parked(&outbox, ids[1]).await, (false, false));
+    // The path stalls: confirms time out, the connection is lost.
+    proxy.set(Mode::Stall);
+    eventually("confirms time out", Duration::from_secs(20), || async {
+        let (_, text) = relay.get("/metrics").await;
+        metric(
+            &text,
+            "outbox_publish_failures_total{reason=\"timeout\",tenant=\"nacked\"}",
+        )
+        .unwrap_or(0.0)
+            >= 1.0
+    })
+    .await;
+    proxy.set(Mode::Refuse);
+    proxy.reset();
+    eventually("the broker is down", Duration::from_secs(10), || async {
+        relay.get("/readyz").await.0 == 503
+    })
+    .await;
+    assert_eq!(gauge(relay.addr, "nacked").await, Some(0.0));
+    for id in &ids {
+        assert_eq!(parked(&outbox, *id).await, (false, false), "row {id}");
+    }
+    // The broker back and the queue emptied: everything goes, in order.
+    proxy.set(Mode::Pass);
+    broker.purge(&capped).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while outbox.pending("nacked").await > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the tenant drains");
+        broker.purge(&capped).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let received: Vec<i64> = by_tenant(&broker.received())["nacked"]
+        .iter()
+        .copied()
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    assert_eq!(received, ids, "every row, none parked");
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requeue_discard_and_replay_as_an_operator_runs_them() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let a1 = outbox.insert_many("t", 1).await[0];
+    let fixed = poison(&outbox, "t").await;
+    let a2 = outbox.insert_many("t", 1).await[0];
+    let dropped = poison(&outbox, "t").await;
+    let a3 = outbox.insert_many("t", 1).await[0];
+    let mut config = config(&outbox, &broker, &["t"]);
+    config.park_after_attempts = 1;
+    let relay = start_relay(config).await;
+    eventually(
+        "both poison rows parked",
+        Duration::from_secs(20),
+        || async { pending(&outbox, "t").await == 0 },
+    )
+    .await;
+    eventually("the rest arrives", Duration::from_secs(10), || async {
+        broker.count() == 3
+    })
+    .await;
+    assert_eq!(by_tenant(&broker.received())["t"], [a1, a2, a3]);
+
+    // Bad arguments exit 2; nothing matched exits 1.
+    assert_eq!(cli(&outbox, &broker, &["requeue"]).0, Some(2));
+    let both = ["requeue", "--id", "1", "--tenant", "t"];
+    assert_eq!(cli(&outbox, &broker, &both).0, Some(2));
+    let (code, _, err) = cli(&outbox, &broker, &["discard", "--id", &a1.to_string()]);
+    assert_eq!(code, Some(1), "a published row is not parked: {err}");
+    assert!(err.contains("no parked row matched"), "{err}");
+    assert_eq!(
+        cli(&outbox, &broker, &["requeue", "--tenant", "nobody"]).0,
+        Some(1)
+    );
+
+    // The operator fixes a row and requeues it: it goes out next.
+    outbox
+        .execute(&format!(
+            "UPDATE {{outbox}} SET headers = NULL WHERE id = {fixed}"
+        ))
+        .await;
+    let (code, out, err) = cli(&outbox, &broker, &["requeue", "--id", &fixed.to_string()]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains(&format!("id {fixed} (tenant \"t\")")), "{out}");
+    eventually(
+        "the requeued row arrives",
+        Duration::from_secs(20),
+        || async { broker.count() == 4 },
+    )
+    .await;
+    assert_eq!(by_tenant(&broker.received())["t"], [a1, a2, a3, fixed]);
+    assert!(outbox.row(fixed).await.published);
+
+    // The other is discarded: recorded, never sent, no longer counted.
+    let (code, out, err) = cli(&outbox, &broker, &["discard", "--id", &dropped.to_string()]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains(&format!("id {dropped}")), "{out}");
+    assert_eq!(parked(&outbox, dropped).await, (true, true));
+    assert!(!outbox.row(dropped).await.published);
+    let (code, _, _) = cli(&outbox, &broker, &["requeue", "--id", &dropped.to_string()]);
+    assert_eq!(code, Some(1), "a discarded row is not requeued");
+    eventually("the gauge drops to 0", Duration::from_secs(10), || async {
+        gauge(relay.addr, "t").await == Some(0.0)
+    })
+    .await;
+    relay.stop().await;
+
+    // Replay: the published rows again, in id order, marked, the discarded
+    // one skipped; the table untouched.
+    let before = outbox.published_ids().await;
+    let to = ["--to-id", "0"];
+    let (code, _, err) = cli(
+        &outbox,
+        &broker,
+        &[&["replay", "--tenant", "t", "--from-id", "5"][..], &to[..]].concat(),
+    );
+    assert_eq!(code, Some(2), "--to-id below --from-id: {err}");
+    let (code, _, _) = cli(
+        &outbox,
+        &broker,
+        &["replay", "--tenant", "nobody", "--from-id", "1"],
+    );
+    assert_eq!(code, Some(1), "nothing matched");
+    let (code, out, err) = cli(
+        &outbox,
+        &broker,
+        &["replay", "--tenant", "t", "--from-id", &a1.to_string()],
+    );
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("replayed 4 rows"), "{out}");
+    assert!(out.contains("deduplicate on message_id"), "{out}");
+    eventually(
+        "the replayed rows arrive",
+        Duration::from_secs(10),
+        || async { broker.count() == 8 },
+    )
+    .await;
+    let replayed: Vec<_> = broker.received().into_iter().skip(4).collect();
+    let ids: Vec<i64> = replayed.iter().map(|m| m.id).collect();
+    assert_eq!(
+        ids,
+        [a1, fixed, a2, a3],
+        "in id order, the discarded row skipped"
+    );
+    for message in &replayed {
+        assert_eq!(
+            message.header("outbox-replay"),
+            Some(&AMQPValue::Boolean(true))
+        );
+        assert_eq!(
+            message
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|m| m.as_str().to_string()),
+            Some(message.id.to_string())
+        );
+        assert_eq!(
+            message.header("outbox-id"),
+            Some(&AMQPValue::LongLongInt(message.id))
+        );
+    }
+    let (code, out, _) = cli(
+        &outbox,
+        &broker,
+        &[
+            "replay",
+            "--tenant",
+            "t",
+            "--from-id",
+            &a2.to_string(),
+            "--to-id",
+            &a2.to_string(),
+        ],
+    );
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("replayed 1 row of"), "{out}");
+    assert_eq!(outbox.published_ids().await, before, "replay marks nothing");
+    assert!(!outbox.row(dropped).await.published);
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_without_the_parking_columns_relays_and_refuses_to_park() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    outbox
+        .execute(
+            "ALTER TABLE {outbox} DROP COLUMN parked_at, DROP COLUMN discarded_at; \
+             CREATE INDEX outbox_message_pending ON {outbox} (tenant_id, id) \
+             WHERE published_at IS NULL",
+        )
+        .await;
+    let ids = outbox.insert_many("old", 5).await;
+    // park_after_attempts = 0: relays as before.
+    let relay = start_relay(config(&outbox, &broker, &["old"])).await;
+    eventually("the rows arrive", Duration::from_secs(20), || async {
+        broker.count() == 5
+    })
+    .await;
+    assert_eq!(by_tenant(&broker.received())["old"], ids);
+    relay.stop().await;
+    let (code, _, err) = cli(&outbox, &broker, &["requeue", "--tenant", "old"]);
+    assert_eq!(code, Some(1));
+    assert!(
+        err.contains("no columns parked_at and discarded_at"),
+        "{err}"
+    );
+    // park_after_attempts set: the relay stops at start, saying how to fix it.
+    let mut command = relay_command();
+    command.envs(relay_env(&outbox, &broker, &["old"]));
+    command.env("OUTBOX_PARK_AFTER_ATTEMPTS", "3");
+    let output = command.output().expect("the binary runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("park_after_attempts = 3"), "{stderr}");
+    assert!(stderr.contains("outbox-relay migrate"), "{stderr}");
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_upgrades_a_partitioned_table_with_rows() {
+    let client = crate::support::pg_client().await;
+    let schema = crate::support::unique("part");
+    client
+        .batch_execute(&format!(
+            "CREATE SCHEMA \"{schema}\";
+             CREATE TABLE \"{schema}\".outbox_message (
+                 id BIGINT GENERATED BY DEFAULT AS IDENTITY, tenant_id TEXT NOT NULL,
+                 kind TEXT NOT NULL, subject_id TEXT NOT NULL, payload TEXT, headers JSONB,
+                 occurred_at TIMESTAMPTZ NOT NULL DEFAULT now(), published_at TIMESTAMPTZ,
+                 attempts INTEGER NOT NULL DEFAULT 0, last_error TEXT,
+                 PRIMARY KEY (tenant_id, id)) PARTITION BY LIST (tenant_id);
+             CREATE TABLE \"{schema}\".outbox_a PARTITION OF \"{schema}\".outbox_message FOR VALUES IN ('a');
+             CREATE TABLE \"{schema}\".outbox_rest PARTITION OF \"{schema}\".outbox_message DEFAULT;
+             INSERT INTO \"{schema}\".outbox_message (tenant_id, kind, subject_id) VALUES ('a', 'k', 's'), ('b', 'k', 's');"
+        ))
+        .await
+        .expect("a partitioned outbox table");
+    let mut command = relay_command();
+    command.envs([
+        ("OUTBOX_TENANTS", "a"),
+        ("OUTBOX_DATABASE_URL", crate::support::DATABASE_URL),
+        ("OUTBOX_SCHEMA", schema.as_str()),
+    ]);
+    let output = command.arg("migrate").output().expect("the binary runs");
+    let log = String::from_utf8_lossy(&output.stdout).into_owned()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{log}");
+    assert!(log.contains("partitioned"), "{log}");
+    let index: String = client
+        .query_one(
+            "SELECT indexdef FROM pg_indexes WHERE schemaname = $1 AND indexname = 'outbox_message_pending'",
+            &[&schema],
+        )
+        .await
+        .expect("the pending index")
+        .get(0);
+    assert!(
+        index.contains("WHERE ((published_at IS NULL) AND (parked_at IS NULL))"),
+        "{index}"
+    );
+    client
+        .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+        .await
+        .expect("drop schema");
+}
