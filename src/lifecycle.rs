@@ -16,7 +16,7 @@ use lapin::types::{AMQPValue, ShortString};
 use crate::config::Config;
 use crate::domain::OutboxRow;
 use crate::envelope::Envelope;
-use crate::publisher::open_connection;
+use crate::publisher::open_first;
 use crate::store::{Changed, Store, StoreError};
 
 /// The header every replayed message carries, beside the relay's own.
@@ -128,7 +128,7 @@ pub async fn replay(
 ) -> Result<Replayed, ReplayError> {
     // Which statements fit the table (with or without `discarded_at`).
     store.check_payload_type().await?;
-    let connection = open_connection(&config.amqp_url, "outbox-relay replay")
+    let connection = open_first(&config.amqp_url, "outbox-relay replay")
         .await
         .map_err(|source| ReplayError::Connect {
             url: config.amqp_url.to_string(),
