@@ -405,18 +405,29 @@ impl Publisher {
     }
 
     /// The session's shared confirm channel; a failure drops the connection.
+    /// Opening one is a round trip inside a sweep, which holds its claim
+    /// meanwhile: it is bounded as a confirm is (`confirm_timeout_ms`), so
+    /// that the claim's idle bound (`Config::claim_idle_timeout`) covers it.
     async fn confirm_channel(&self) -> Result<Arc<ConfirmChannel>, PublishError> {
         let session = self.session().ok_or(PublishError::NotConnected)?;
-        let opened =
-            tokio::time::timeout(CONNECT_TIMEOUT, session.confirm_channel(&self.inner)).await;
+        let opened = tokio::time::timeout(
+            self.inner.confirm_timeout,
+            session.confirm_channel(&self.inner),
+        )
+        .await;
         self.opened(opened)
     }
 
     /// A confirm-mode channel of its own, for rows sent alone, and the
-    /// connection's frame size; a failure drops the connection.
+    /// connection's frame size; a failure drops the connection. Bounded as
+    /// [`Self::confirm_channel`] is.
     async fn channel_alone(&self) -> Result<(Channel, u32), PublishError> {
         let session = self.session().ok_or(PublishError::NotConnected)?;
-        let opened = tokio::time::timeout(CONNECT_TIMEOUT, session.open_channel(&self.inner)).await;
+        let opened = tokio::time::timeout(
+            self.inner.confirm_timeout,
+            session.open_channel(&self.inner),
+        )
+        .await;
         Ok((self.opened(opened)?, session.frame_max()))
     }
 
