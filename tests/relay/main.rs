@@ -5,6 +5,7 @@
 mod cli;
 mod delivery;
 mod deploy;
+mod discovery;
 mod faults;
 mod http;
 mod memory;
