@@ -293,7 +293,9 @@ pub const TAKEOVER_IDLE_POLLS: u32 = 2;
 /// cost grows with the tenants it finds pending: 56–95 ms of the database's
 /// time for 10,000) runs only every [`BUSY_POLL_EVERY`] intervals: it would
 /// add little to the queue. So a pending row is found within `poll_ms`, or
-/// within `BUSY_POLL_EVERY` × `poll_ms` while the relay has this much work.
+/// within `BUSY_POLL_EVERY` × `poll_ms` while the relay has this much work
+/// and is sweeping (during an outage the poll runs every interval: it is how
+/// the relay sees the database back).
 pub const BUSY_QUEUE: usize = 64;
 pub const BUSY_POLL_EVERY: u32 = 5;
 
@@ -401,6 +403,8 @@ impl Scheduler {
         if self.poll.is_none()
             && now >= self.next_poll
             && self.schedule.ready_len() >= BUSY_QUEUE
+            && self.database_up == Some(true)
+            && self.relay.publisher.is_ready()
             && self
                 .last_poll
                 .is_some_and(|at| now < at + poll_interval * BUSY_POLL_EVERY)
