@@ -448,6 +448,39 @@ mod tests {
         String::from_utf8_lossy(&response).into_owned()
     }
 
+    #[test]
+    fn gzip_is_used_when_the_client_accepts_it() {
+        let headers = |value: &str| {
+            let mut map = axum::http::HeaderMap::new();
+            map.insert(header::ACCEPT_ENCODING, value.parse().unwrap());
+            map
+        };
+        assert!(accepts_gzip(&headers("gzip")));
+        assert!(accepts_gzip(&headers("deflate, GZIP;q=0.5")));
+        assert!(accepts_gzip(&headers("*")));
+        assert!(!accepts_gzip(&headers("gzip;q=0")));
+        assert!(!accepts_gzip(&headers("identity")));
+        assert!(!accepts_gzip(&axum::http::HeaderMap::new()));
+    }
+
+    #[test]
+    fn past_100_tenants_healthz_lists_the_lagging_ones_longest_first() {
+        let tenant = |i: i64, lag_ms: i64| TenantHealth {
+            tenant: format!("t{i}"),
+            lag_ms,
+            pending: true,
+        };
+        let few: Vec<TenantHealth> = (0..100).map(|i| tenant(i, 0)).collect();
+        assert_eq!(listed(few, 1_000).len(), 100, "up to 100: every one");
+        let many: Vec<TenantHealth> = (0..10_000)
+            .map(|i| tenant(i, if i % 1_000 == 7 { 5_000 + i } else { 10 }))
+            .collect();
+        let shown: Vec<String> = listed(many, 1_000).into_iter().map(|t| t.tenant).collect();
+        assert_eq!(shown.len(), 10);
+        assert_eq!(shown[0], "t9007");
+        assert_eq!(shown[9], "t7");
+    }
+
     #[tokio::test]
     async fn a_request_past_its_deadline_is_answered_503() {
         let (addr, stop, task) = slow_server().await;
