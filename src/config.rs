@@ -48,8 +48,10 @@ const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 const NO_MAX: i64 = i64::MAX;
 
 keys! {
-    /// Tenants to relay, comma-separated
-    tenants: Vec<String> ["NAMES"] = Fallback::Required, TenantList;
+    /// Tenants to relay, comma-separated; * relays every tenant with pending rows
+    tenants: Tenants ["NAMES"] = Fallback::Required, TenantList;
+    /// With tenants = *: tenants with series of their own; the rest share one overflow label
+    max_tenants: usize ["N"] = 10_000, int(1, 1_000_000);
     /// Poll interval when idle, ms (1..=60000)
     poll_ms: u64 ["MS"] = 200, int(1, 60_000);
     /// Lag past which /healthz answers 503, ms
@@ -87,7 +89,7 @@ keys! {
     declare_exchange: bool ["BOOL"] = true, Flag;
     /// Routing key template: {tenant}, {kind}, {subject}
     routing_key: RoutingKey ["TEMPLATE"] = default_routing_key(), parsed(),
-        check |key: &RoutingKey| every_tenant_fits(key, &tenants);
+        check |key: &RoutingKey| every_tenant_fits(key, tenants.listed());
     /// content_type of every message
     content_type: String ["TYPE"] = "application/json".to_string(), short_text();
     /// A confirm not seen in this long is a refusal, ms
@@ -224,6 +226,47 @@ impl Config {
         .load()
         .map(|loaded| loaded.config)
         .unwrap_or_else(|e| panic!("invalid test configuration: {e}"))
+    }
+}
+
+/// The tenants a relay relays: those it is configured for, or (`tenants =
+/// "*"`) every tenant the poll finds with pending rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Tenants {
+    Listed(Vec<String>),
+    Discovered,
+}
+
+impl Tenants {
+    /// The configured tenants; none when they are discovered.
+    pub fn listed(&self) -> &[String] {
+        match self {
+            Tenants::Listed(names) => names,
+            Tenants::Discovered => &[],
+        }
+    }
+
+    /// Whether every tenant with pending rows is relayed (`tenants = "*"`).
+    pub fn discovers(&self) -> bool {
+        *self == Tenants::Discovered
+    }
+
+    /// Whether the relay relays `tenant`.
+    pub fn relays(&self, tenant: &str) -> bool {
+        match self {
+            Tenants::Listed(names) => names.iter().any(|n| n == tenant),
+            Tenants::Discovered => true,
+        }
+    }
+}
+
+impl<const N: usize> PartialEq<[&str; N]> for Tenants {
+    fn eq(&self, other: &[&str; N]) -> bool {
+        self.listed()
+            .iter()
+            .map(String::as_str)
+            .eq(other.iter().copied())
+            && !self.discovers()
     }
 }
 
@@ -791,6 +834,54 @@ mod tests {
             "{dup}"
         );
         assert!(error(Some("tenants = []"), &[]).contains("at least one tenant"));
+    }
+
+    #[test]
+    fn a_star_discovers_tenants() {
+        let from_env = load(None, &[("OUTBOX_TENANTS", "*")], &[]).unwrap();
+        assert!(from_env.config.tenants.discovers());
+        assert_eq!(from_env.config.max_tenants, 10_000);
+        assert!(
+            from_env
+                .render()
+                .contains("tenants = \"*\"  # environment variable")
+        );
+        let from_file = load(Some("tenants = \"*\"\nmax_tenants = 50"), &[], &[]).unwrap();
+        assert!(from_file.config.tenants.discovers());
+        assert_eq!(from_file.config.max_tenants, 50);
+        assert!(
+            load(Some("tenants = [\"*\"]"), &[], &[])
+                .unwrap()
+                .config
+                .tenants
+                .discovers()
+        );
+        let mixed = error(None, &[("OUTBOX_TENANTS", "a,*")]);
+        assert!(mixed.contains("stands alone"), "{mixed}");
+        let cap = error(
+            None,
+            &[("OUTBOX_TENANTS", "*"), ("OUTBOX_MAX_TENANTS", "0")],
+        );
+        assert!(cap.starts_with("max_tenants = 0"), "{cap}");
+    }
+
+    #[test]
+    fn many_tenants_are_validated_in_linear_time() {
+        let names = |n: usize| (0..n).map(|i| format!("tenant-{i:06}")).collect::<Vec<_>>();
+        let time = |n: usize| {
+            let list = names(n).join(",");
+            let started = std::time::Instant::now();
+            let loaded = load(None, &[("OUTBOX_TENANTS", list.as_str())], &[]).unwrap();
+            assert_eq!(loaded.config.tenants.listed().len(), n);
+            started.elapsed()
+        };
+        time(1_000);
+        let (small, large) = (time(5_000), time(40_000));
+        // 8 × the names: linear is ~8 × the time, quadratic ~64 ×.
+        assert!(
+            large < small * 24 + std::time::Duration::from_millis(50),
+            "5,000 names: {small:?}; 40,000: {large:?}"
+        );
     }
 
     #[test]

@@ -244,7 +244,24 @@ struct TenantHealth {
     pending: bool,
 }
 
-/// Each configured tenant's lag, as the gauge reports it: the database's
+/// Up to this many tenants, `/healthz` lists each one; past it, only those
+/// past `max_lag_ms`, the longest lag first, at most this many (the status
+/// and the code still answer for every tenant).
+pub const HEALTHZ_TENANTS: usize = 100;
+
+/// The tenants `/healthz` lists (see [`HEALTHZ_TENANTS`]).
+fn listed(mut lags: Vec<TenantHealth>, max_lag_ms: u64) -> Vec<TenantHealth> {
+    if lags.len() <= HEALTHZ_TENANTS {
+        return lags;
+    }
+    lags.retain(|t| u64::try_from(t.lag_ms).unwrap_or(0) > max_lag_ms);
+    lags.sort_by_key(|t| std::cmp::Reverse(t.lag_ms));
+    lags.truncate(HEALTHZ_TENANTS);
+    lags
+}
+
+/// Each relayed tenant's lag (with `tenants = "*"`, each one with pending
+/// rows), as the gauge reports it: the database's
 /// measure of its oldest pending row, or how long the poll has seen that row
 /// waiting, whichever is longer (see `lag`).
 async fn healthz(State(endpoints): State<Endpoints>) -> Response {
@@ -257,7 +274,7 @@ async fn healthz(State(endpoints): State<Endpoints>) -> Response {
             async move {
                 relay
                     .store
-                    .tenant_lag(&relay.config.tenants)
+                    .relayed_lag(&relay.config.tenants)
                     .await
                     .map(Arc::new)
                     .map_err(|error| Arc::from(error.to_string()))
@@ -281,7 +298,7 @@ async fn healthz(State(endpoints): State<Endpoints>) -> Response {
             let body = Health {
                 status: if lagging { "lagging" } else { "ok" },
                 max_lag_ms,
-                tenants: lags,
+                tenants: listed(lags, max_lag_ms),
                 error: None,
             };
             let code = if lagging {
@@ -341,15 +358,44 @@ async fn readyz(State(Endpoints { relay, .. }): State<Endpoints>) -> Response {
         .into_response()
 }
 
-async fn metrics(State(Endpoints { relay, .. }): State<Endpoints>) -> Response {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        relay.metrics.render(),
-    )
-        .into_response()
+/// The metrics, gzip-compressed when the client accepts it (Prometheus
+/// does): 10,000 tenants' series are megabytes as text.
+async fn metrics(
+    State(Endpoints { relay, .. }): State<Endpoints>,
+    headers: axum::http::HeaderMap,
+) -> Response {
+    let content_type = (
+        header::CONTENT_TYPE,
+        "text/plain; version=0.0.4; charset=utf-8",
+    );
+    if accepts_gzip(&headers) {
+        (
+            [content_type, (header::CONTENT_ENCODING, "gzip")],
+            relay.metrics.render_gzip(),
+        )
+            .into_response()
+    } else {
+        ([content_type], relay.metrics.render()).into_response()
+    }
+}
+
+/// Whether `Accept-Encoding` lists gzip (and does not refuse it with q=0).
+fn accepts_gzip(headers: &axum::http::HeaderMap) -> bool {
+    headers
+        .get_all(header::ACCEPT_ENCODING)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .any(|item| {
+            let mut parts = item.split(';').map(str::trim);
+            let coding = parts.next().unwrap_or("");
+            let refused = parts.any(|p| {
+                p.strip_prefix("q=")
+                    .and_then(|q| q.parse::<f32>().ok())
+                    .is_some_and(|q| q == 0.0)
+            });
+            (coding.eq_ignore_ascii_case("gzip") || coding == "*") && !refused
+        })
 }
 
 #[cfg(test)]
@@ -400,6 +446,39 @@ mod tests {
             .expect("the server closes the connection")
             .unwrap();
         String::from_utf8_lossy(&response).into_owned()
+    }
+
+    #[test]
+    fn gzip_is_used_when_the_client_accepts_it() {
+        let headers = |value: &str| {
+            let mut map = axum::http::HeaderMap::new();
+            map.insert(header::ACCEPT_ENCODING, value.parse().unwrap());
+            map
+        };
+        assert!(accepts_gzip(&headers("gzip")));
+        assert!(accepts_gzip(&headers("deflate, GZIP;q=0.5")));
+        assert!(accepts_gzip(&headers("*")));
+        assert!(!accepts_gzip(&headers("gzip;q=0")));
+        assert!(!accepts_gzip(&headers("identity")));
+        assert!(!accepts_gzip(&axum::http::HeaderMap::new()));
+    }
+
+    #[test]
+    fn past_100_tenants_healthz_lists_the_lagging_ones_longest_first() {
+        let tenant = |i: i64, lag_ms: i64| TenantHealth {
+            tenant: format!("t{i}"),
+            lag_ms,
+            pending: true,
+        };
+        let few: Vec<TenantHealth> = (0..100).map(|i| tenant(i, 0)).collect();
+        assert_eq!(listed(few, 1_000).len(), 100, "up to 100: every one");
+        let many: Vec<TenantHealth> = (0..10_000)
+            .map(|i| tenant(i, if i % 1_000 == 7 { 5_000 + i } else { 10 }))
+            .collect();
+        let shown: Vec<String> = listed(many, 1_000).into_iter().map(|t| t.tenant).collect();
+        assert_eq!(shown.len(), 10);
+        assert_eq!(shown[0], "t9007");
+        assert_eq!(shown[9], "t7");
     }
 
     #[tokio::test]

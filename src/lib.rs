@@ -94,7 +94,10 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
         })?;
     tracing::info!(
         addr = %listener.local_addr().map_or(config.http_addr, |a| a),
-        tenants = config.tenants.len(),
+        tenants = %match &config.tenants {
+            config::Tenants::Listed(names) => names.len().to_string(),
+            config::Tenants::Discovered => "discovered".to_string(),
+        },
         version = env!("CARGO_PKG_VERSION"),
         "outbox-relay started"
     );

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{ArgGroup, Args, Parser, Subcommand};
-use outbox_relay::config::{CONFIG_FILE_VAR, Config, Flags as KeyFlags, Loaded, Sources};
+use outbox_relay::config::{CONFIG_FILE_VAR, Config, Flags as KeyFlags, Loaded, Sources, Tenants};
 use outbox_relay::{migrate, shutdown, store, telemetry};
 
 /// Exit code for a configuration that cannot be used.
@@ -228,7 +228,17 @@ async fn status(config: Config, json: bool, wide: bool) -> ExitCode {
             Err(error @ store::StoreError::PayloadColumn { .. }) => Some(error),
             Err(error) => return Err(error.into()),
         };
-        let tenants = store.tenant_status(&config.tenants).await?;
+        // Discovered tenants: those with pending rows.
+        let names: Vec<String> = match &config.tenants {
+            Tenants::Listed(names) => names.clone(),
+            Tenants::Discovered => store
+                .pending_lag()
+                .await?
+                .into_iter()
+                .map(|t| t.tenant)
+                .collect(),
+        };
+        let tenants = store.tenant_status(&names).await?;
         Ok::<_, anyhow::Error>((
             outbox_relay::status::Report::new(config.max_lag_ms, tenants),
             unfit,

@@ -1,10 +1,24 @@
 //! The Prometheus metrics of `docs/design.md`, on a registry of the relay's own.
-//! Labels are bounded: tenants come from configuration, reasons and outcomes
-//! are fixed sets. Every tenant's series exist from the start, at zero, so
-//! alerts and dashboards see a flat line rather than nothing.
+//! Labels are bounded: tenants come from configuration (or, with `tenants =
+//! "*"`, the first `max_tenants` tenants found have a label of their own and
+//! the others share [`OVERFLOW`]), reasons and outcomes are fixed sets.
+//!
+//! A series exists once it carries information, so that 10,000 tenants cost
+//! only what they use: a tenant's `outbox_published_total`, `outbox_sweeps_total`
+//! (per outcome) and `outbox_lag_seconds` from its first sweep or the first
+//! poll that finds it pending; `outbox_publish_failures_total` (per reason)
+//! and `outbox_tenant_backoff_seconds` from its first failure (the back-off
+//! is 0 again afterwards, not removed). Every metric's `# HELP` and `# TYPE`
+//! are written from the start, series or not. A scrape is written family by
+//! family, gzip-compressed when the client accepts it, never gathered whole.
 
+use std::collections::{HashMap, HashSet};
+use std::io::Write;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use prometheus::core::Collector;
+use prometheus::proto::MetricFamily;
 use prometheus::{
     Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
     IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
@@ -18,10 +32,30 @@ use crate::domain::{FailureReason, Outcome};
 /// the future (a writer's fast clock) counts as 0.
 pub const DELIVERY_DELAY_MAX: Duration = Duration::from_secs(24 * 60 * 60);
 
+/// The `tenant` label of the tenants past `max_tenants` (with `tenants =
+/// "*"`): their series are added up under it (their lag is the longest of
+/// theirs, their back-off the last one set).
+pub const OVERFLOW: &str = "~overflow";
+
+/// Which tenants have series of their own, and which have a back-off series.
+#[derive(Debug, Default)]
+struct Labels {
+    /// `max_tenants`, when tenants are discovered; none: every tenant.
+    cap: Option<usize>,
+    own: HashSet<String>,
+    /// Warned that tenants went past the cap.
+    warned: bool,
+    backoff: HashSet<String>,
+    /// Tenants with a parked-rows series.
+    parked: HashSet<String>,
+}
+
 /// The relay's metrics.
 #[derive(Clone)]
 pub struct Metrics {
-    registry: Registry,
+    /// Every registered metric, in the order a scrape writes them.
+    families: Arc<Vec<Arc<dyn Collector>>>,
+    labels: Arc<Mutex<Labels>>,
     published: IntCounterVec,
     publish_failures: IntCounterVec,
     sweeps: IntCounterVec,
@@ -41,7 +75,18 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    pub fn new(tenants: &[String]) -> Metrics {
+    /// Metrics where every tenant has series of its own (configured tenants).
+    pub fn new() -> Metrics {
+        Metrics::with_cap(None)
+    }
+
+    /// Metrics where the first `max_tenants` tenants have series of their
+    /// own and the others share [`OVERFLOW`] (discovered tenants).
+    pub fn with_max_tenants(max_tenants: usize) -> Metrics {
+        Metrics::with_cap(Some(max_tenants))
+    }
+
+    fn with_cap(cap: Option<usize>) -> Metrics {
         let registry = Registry::new();
         let published = IntCounterVec::new(
             Opts::new(
@@ -152,47 +197,40 @@ impl Metrics {
             .with_label_values(&[env!("CARGO_PKG_VERSION")])
             .set(1);
 
-        for collector in [
-            Box::new(published.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(publish_failures.clone()),
-            Box::new(sweeps.clone()),
-            Box::new(sweep_duration.clone()),
-            Box::new(delivery_delay.clone()),
-            Box::new(lag.clone()),
-            Box::new(tenant_backoff.clone()),
-            Box::new(parked.clone()),
-            Box::new(amqp_connected.clone()),
-            Box::new(amqp_endpoint.clone()),
-            Box::new(database_up.clone()),
-            Box::new(max_lag.clone()),
-            Box::new(wakeups.clone()),
-            Box::new(wakeup_connected.clone()),
-            Box::new(build_info),
-        ] {
+        let families: Vec<Arc<dyn Collector>> = vec![
+            Arc::new(published.clone()) as Arc<dyn Collector>,
+            Arc::new(publish_failures.clone()),
+            Arc::new(sweeps.clone()),
+            Arc::new(sweep_duration.clone()),
+            Arc::new(delivery_delay.clone()),
+            Arc::new(lag.clone()),
+            Arc::new(tenant_backoff.clone()),
+            Arc::new(parked.clone()),
+            Arc::new(amqp_connected.clone()),
+            Arc::new(amqp_endpoint.clone()),
+            Arc::new(database_up.clone()),
+            Arc::new(max_lag.clone()),
+            Arc::new(wakeups.clone()),
+            Arc::new(wakeup_connected.clone()),
+            Arc::new(build_info),
+        ];
+        // The registry is kept only to refuse a name given twice.
+        for collector in &families {
             registry
-                .register(collector)
+                .register(Box::new(Shared(collector.clone())))
                 .expect("metric names are unique");
         }
 
-        for tenant in tenants {
-            let tenant = tenant.as_str();
-            published.with_label_values(&[tenant]);
-            for reason in FailureReason::ALL {
-                publish_failures.with_label_values(&[tenant, reason.as_str()]);
-            }
-            for outcome in Outcome::ALL {
-                sweeps.with_label_values(&[tenant, outcome.as_str()]);
-            }
-            lag.with_label_values(&[tenant]).set(0.0);
-            tenant_backoff.with_label_values(&[tenant]).set(0.0);
-            parked.with_label_values(&[tenant]).set(0);
-        }
         for outcome in Outcome::ALL {
             sweep_duration.with_label_values(&[outcome.as_str()]);
         }
 
         Metrics {
-            registry,
+            families: Arc::new(families),
+            labels: Arc::new(Mutex::new(Labels {
+                cap,
+                ..Labels::default()
+            })),
             published,
             publish_failures,
             sweeps,
@@ -213,27 +251,92 @@ impl Metrics {
     /// Everything, in the Prometheus text format.
     pub fn render(&self) -> String {
         let mut buffer = Vec::new();
-        TextEncoder::new()
-            .encode(&self.registry.gather(), &mut buffer)
+        self.write(&mut buffer)
             .expect("text encoding into memory cannot fail");
         String::from_utf8(buffer).expect("the text format is UTF-8")
     }
 
-    /// Each configured tenant's parked rows as the poll counted them (a
-    /// tenant the poll did not name has none).
-    pub fn set_parked(&self, tenants: &[String], counts: &[(String, i64)]) {
-        let counts: std::collections::HashMap<&str, i64> = counts
-            .iter()
-            .map(|(tenant, count)| (tenant.as_str(), *count))
-            .collect();
-        for tenant in tenants {
-            let count = counts.get(tenant.as_str()).copied().unwrap_or(0);
-            self.parked.with_label_values(&[tenant]).set(count);
+    /// Each tenant's parked rows as the poll counted them. A tenant the poll
+    /// did not name has none: its series, once shown, goes back to 0. Past
+    /// `max_tenants` the counts add up under the overflow label.
+    pub fn set_parked(&self, counts: &[(String, i64)]) {
+        let mut totals: HashMap<&str, i64> = HashMap::new();
+        for (tenant, count) in counts {
+            *totals.entry(self.label(tenant)).or_default() += count;
         }
+        let mut labels = self.labels.lock().unwrap_or_else(PoisonError::into_inner);
+        let shown = &mut labels.parked;
+        for tenant in shown.iter() {
+            if !totals.contains_key(tenant.as_str()) {
+                self.parked.with_label_values(&[tenant]).set(0);
+            }
+        }
+        for (tenant, count) in totals {
+            self.parked.with_label_values(&[tenant]).set(count);
+            if !shown.contains(tenant) {
+                shown.insert(tenant.to_string());
+            }
+        }
+    }
+
+    /// Everything, in the Prometheus text format, gzip-compressed.
+    pub fn render_gzip(&self) -> Vec<u8> {
+        let mut gzip = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        self.write(&mut gzip)
+            .and_then(|()| gzip.try_finish())
+            .expect("compressing into memory cannot fail");
+        gzip.finish().expect("already finished")
+    }
+
+    /// Writes every metric, one family at a time (so a scrape never holds
+    /// all series gathered at once); one without series yet gets its `# HELP`
+    /// and `# TYPE` alone.
+    fn write(&self, mut out: &mut dyn Write) -> std::io::Result<()> {
+        let encoder = TextEncoder::new();
+        for collector in self.families.iter() {
+            for family in collector.collect() {
+                if family.get_metric().is_empty() {
+                    write_header(out, &family)?;
+                } else {
+                    encoder
+                        .encode(std::slice::from_ref(&family), &mut out)
+                        .map_err(std::io::Error::other)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The `tenant` label of `tenant`: its own, or [`OVERFLOW`] past
+    /// `max_tenants` (warned about once).
+    fn label<'a>(&self, tenant: &'a str) -> &'a str {
+        let mut labels = self.labels.lock().unwrap_or_else(PoisonError::into_inner);
+        let Some(cap) = labels.cap else {
+            return tenant;
+        };
+        if labels.own.contains(tenant) {
+            return tenant;
+        }
+        if labels.own.len() < cap {
+            labels.own.insert(tenant.to_string());
+            return tenant;
+        }
+        if !std::mem::replace(&mut labels.warned, true) {
+            tracing::warn!(
+                max_tenants = cap,
+                "more tenants than max_tenants: they are relayed all the same, their series added up under tenant=\"{OVERFLOW}\""
+            );
+        }
+        OVERFLOW
     }
 
     /// A sweep of `tenant` ended.
     pub fn sweep_finished(&self, tenant: &str, outcome: Outcome, took: Duration) {
+        let tenant = self.label(tenant);
+        if outcome == Outcome::Published || outcome == Outcome::Idle {
+            // Its published count shows from its first sweep, at 0 if need be.
+            self.published.with_label_values(&[tenant]);
+        }
         self.sweeps
             .with_label_values(&[tenant, outcome.as_str()])
             .inc();
@@ -245,7 +348,7 @@ impl Metrics {
     /// `rows` of `tenant` were confirmed and marked published.
     pub fn count_published(&self, tenant: &str, rows: usize) {
         self.published
-            .with_label_values(&[tenant])
+            .with_label_values(&[self.label(tenant)])
             .inc_by(rows as u64);
     }
 
@@ -258,20 +361,54 @@ impl Metrics {
 
     pub fn failure(&self, tenant: &str, reason: FailureReason) {
         self.publish_failures
-            .with_label_values(&[tenant, reason.as_str()])
+            .with_label_values(&[self.label(tenant), reason.as_str()])
             .inc();
     }
 
     /// How long `tenant`'s oldest pending row has waited, from the poll (see
     /// `lag`). The poll is this gauge's one writer.
     pub fn set_lag(&self, tenant: &str, lag_ms: i64) {
-        self.lag
-            .with_label_values(&[tenant])
-            .set(lag_ms as f64 / 1000.0);
+        self.set_lags([(tenant, lag_ms)]);
     }
 
-    /// The back-off now in force for `tenant` (zero when none).
+    /// The lags one poll found, for the tenants it found pending and those
+    /// it found emptied (0): no other tenant's gauge changed. Tenants under
+    /// [`OVERFLOW`] show the longest of their lags.
+    pub fn set_lags<'a>(&self, lags: impl IntoIterator<Item = (&'a str, i64)>) {
+        let mut overflow: Option<i64> = None;
+        for (tenant, lag_ms) in lags {
+            let label = self.label(tenant);
+            if label == OVERFLOW && tenant != OVERFLOW {
+                overflow = Some(overflow.unwrap_or(0).max(lag_ms));
+            } else {
+                self.lag
+                    .with_label_values(&[label])
+                    .set(lag_ms as f64 / 1000.0);
+            }
+        }
+        if let Some(lag_ms) = overflow {
+            self.lag
+                .with_label_values(&[OVERFLOW])
+                .set(lag_ms as f64 / 1000.0);
+        }
+    }
+
+    /// The back-off now in force for `tenant` (zero when none). Its series
+    /// exists from its first back-off.
     pub fn set_backoff(&self, tenant: &str, delay: Duration) {
+        let tenant = self.label(tenant);
+        if delay.is_zero() {
+            let labels = self.labels.lock().unwrap_or_else(PoisonError::into_inner);
+            if !labels.backoff.contains(tenant) {
+                return;
+            }
+        } else {
+            self.labels
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .backoff
+                .insert(tenant.to_string());
+        }
         self.tenant_backoff
             .with_label_values(&[tenant])
             .set(delay.as_secs_f64());
@@ -320,23 +457,53 @@ impl Metrics {
     }
 }
 
+/// A collector both in the registry (which checks that names are unique)
+/// and in [`Metrics::write`]'s list.
+struct Shared(Arc<dyn Collector>);
+
+impl Collector for Shared {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        self.0.desc()
+    }
+
+    fn collect(&self) -> Vec<MetricFamily> {
+        self.0.collect()
+    }
+}
+
+/// A family's `# HELP` and `# TYPE` lines, for one without series yet.
+fn write_header(out: &mut dyn Write, family: &MetricFamily) -> std::io::Result<()> {
+    let kind = format!("{:?}", family.get_field_type()).to_lowercase();
+    let help = family.help().replace('\\', "\\\\").replace('\n', "\\n");
+    writeln!(out, "# HELP {} {help}", family.name())?;
+    writeln!(out, "# TYPE {} {kind}", family.name())
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        Metrics::new()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn every_series_of_the_design_is_exposed_from_the_start() {
-        let text = Metrics::new(&["a".to_string()]).render();
+    fn every_metric_of_the_design_is_described_from_the_start() {
+        let text = Metrics::new().render();
         for name in [
-            "outbox_published_total{tenant=\"a\"} 0",
-            "outbox_publish_failures_total{reason=\"too_large\",tenant=\"a\"} 0",
-            "outbox_sweeps_total{outcome=\"skipped\",tenant=\"a\"} 0",
+            "# TYPE outbox_published_total counter",
+            "# TYPE outbox_publish_failures_total counter",
+            "# TYPE outbox_sweeps_total counter",
+            "# TYPE outbox_sweep_duration_seconds histogram",
+            "# TYPE outbox_lag_seconds gauge",
+            "# TYPE outbox_tenant_backoff_seconds gauge",
+            "# HELP outbox_lag_seconds How long",
             "outbox_sweep_duration_seconds_bucket{outcome=\"idle\",le=\"0.001\"} 0",
             "outbox_delivery_delay_seconds_count 0",
-            "outbox_lag_seconds{tenant=\"a\"} 0",
             "outbox_wakeups_total 0",
             "outbox_wakeup_connected 0",
-            "outbox_tenant_backoff_seconds{tenant=\"a\"} 0",
             "outbox_amqp_connected 0",
             "outbox_database_up 0",
             "outbox_max_lag_seconds 0",
@@ -344,11 +511,100 @@ mod tests {
         ] {
             assert!(text.contains(name), "missing {name} in\n{text}");
         }
+        assert!(!text.contains("tenant="), "no tenant series yet:\n{text}");
+    }
+
+    #[test]
+    fn a_tenants_series_appear_when_they_carry_information() {
+        let metrics = Metrics::new();
+        metrics.sweep_finished("a", Outcome::Idle, Duration::from_millis(1));
+        metrics.set_backoff("a", Duration::ZERO);
+        let text = metrics.render();
+        assert!(
+            text.contains("outbox_published_total{tenant=\"a\"} 0"),
+            "{text}"
+        );
+        assert!(text.contains("outbox_sweeps_total{outcome=\"idle\",tenant=\"a\"} 1"));
+        assert!(!text.contains("outbox_sweeps_total{outcome=\"failed\""));
+        assert!(!text.contains("outbox_publish_failures_total{"), "{text}");
+        assert!(!text.contains("outbox_tenant_backoff_seconds{"), "{text}");
+        metrics.failure("a", FailureReason::Nack);
+        metrics.set_backoff("a", Duration::from_millis(400));
+        metrics.set_backoff("a", Duration::ZERO);
+        let text = metrics.render();
+        assert!(text.contains("outbox_publish_failures_total{reason=\"nack\",tenant=\"a\"} 1"));
+        assert!(
+            text.contains("outbox_tenant_backoff_seconds{tenant=\"a\"} 0"),
+            "back to 0, kept: {text}"
+        );
+    }
+
+    #[test]
+    fn tenants_past_max_tenants_share_the_overflow_label() {
+        let metrics = Metrics::with_max_tenants(2);
+        for tenant in ["a", "b", "c", "d"] {
+            metrics.count_published(tenant, 1);
+        }
+        metrics.set_lags([("a", 1_000), ("c", 5_000), ("d", 7_000)]);
+        let text = metrics.render();
+        assert!(
+            text.contains("outbox_published_total{tenant=\"a\"} 1"),
+            "{text}"
+        );
+        assert!(text.contains("outbox_published_total{tenant=\"b\"} 1"));
+        assert!(text.contains(&format!(
+            "outbox_published_total{{tenant=\"{OVERFLOW}\"}} 2"
+        )));
+        assert!(!text.contains("tenant=\"c\""));
+        assert!(text.contains(&format!("outbox_lag_seconds{{tenant=\"{OVERFLOW}\"}} 7")));
+        assert!(text.contains("outbox_lag_seconds{tenant=\"a\"} 1"));
+    }
+
+    #[test]
+    fn gzip_carries_the_same_text() {
+        let metrics = Metrics::new();
+        metrics.count_published("a", 3);
+        let mut text = String::new();
+        std::io::Read::read_to_string(
+            &mut flate2::read::GzDecoder::new(metrics.render_gzip().as_slice()),
+            &mut text,
+        )
+        .unwrap();
+        assert_eq!(text, metrics.render());
+    }
+
+    #[test]
+    fn parked_rows_follow_the_poll_and_go_back_to_zero() {
+        let metrics = Metrics::with_max_tenants(1);
+        metrics.set_parked(&[
+            ("a".to_string(), 2),
+            ("b".to_string(), 3),
+            ("c".to_string(), 4),
+        ]);
+        let text = metrics.render();
+        assert_eq!(value(&text, "outbox_parked_rows{tenant=\"a\"}"), 2.0);
+        assert_eq!(
+            value(
+                &text,
+                &format!("outbox_parked_rows{{tenant=\"{OVERFLOW}\"}}")
+            ),
+            7.0
+        );
+        metrics.set_parked(&[("c".to_string(), 1)]);
+        let text = metrics.render();
+        assert_eq!(value(&text, "outbox_parked_rows{tenant=\"a\"}"), 0.0);
+        assert_eq!(
+            value(
+                &text,
+                &format!("outbox_parked_rows{{tenant=\"{OVERFLOW}\"}}")
+            ),
+            1.0
+        );
     }
 
     #[test]
     fn the_endpoint_gauge_names_the_one_in_use() {
-        let metrics = Metrics::new(&[]);
+        let metrics = Metrics::new();
         let endpoints = ["mq-0:5672".to_string(), "mq-1:5672".to_string()];
         metrics.set_amqp_endpoint(&endpoints, None);
         let text = metrics.render();
@@ -380,7 +636,7 @@ mod tests {
 
     #[test]
     fn one_ancient_row_cannot_poison_the_delivery_delay() {
-        let metrics = Metrics::new(&[]);
+        let metrics = Metrics::new();
         // A year-1 row, as it was measured: 64 billion seconds.
         metrics.delivered_after(Duration::from_secs(64_000_000_000));
         metrics.delivered_after(Duration::from_millis(250));

@@ -145,7 +145,11 @@ impl Relay {
 
     /// Builds the store, the publisher and the metrics of `config`.
     pub fn from_config(config: Arc<Config>) -> Result<Relay, SetupError> {
-        let metrics = Metrics::new(&config.tenants);
+        let metrics = if config.tenants.discovers() {
+            Metrics::with_max_tenants(config.max_tenants)
+        } else {
+            Metrics::new()
+        };
         let store = Store::new(&config)?;
         let publisher = Publisher::new(&config)?;
         Ok(Relay::new(config, store, publisher, metrics))

@@ -23,7 +23,7 @@
 //! checks the table's `payload` column; an unfit one stops all relaying until
 //! it is fixed.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -51,7 +51,17 @@ enum State {
     Backoff(Instant),
 }
 
-/// The pure part of scheduling: tenant states, the ready queue, back-off.
+/// The pure part of scheduling: tenant states, the ready queues, back-off.
+///
+/// Two ready queues take turns, so a tenant with a backlog gets its share
+/// from the first second however many tenants are pending: `fresh` holds the
+/// tenants the poll, a notification or the end of a back-off readied, in that
+/// order; `busy` holds the tenants whose last sweep published a full batch.
+/// While both hold tenants, every other sweep started goes to the head of
+/// `busy` (round robin among the busy tenants), the others to the head of
+/// `fresh`. A busy tenant so waits for at most as many sweeps as there are
+/// busy tenants, times two, never for the whole pending list; a fresh one
+/// waits no more than twice as long as with one queue.
 #[derive(Debug)]
 pub struct Schedule {
     names: Vec<Arc<str>>,
@@ -59,32 +69,73 @@ pub struct Schedule {
     failures: Vec<u32>,
     /// Notified while running: swept once more when the running sweep ends.
     follow_up: Vec<bool>,
-    ready: VecDeque<usize>,
+    fresh: VecDeque<usize>,
+    busy: VecDeque<usize>,
+    /// The next sweep started goes to `busy` (when both queues hold tenants).
+    busy_turn: bool,
+    /// The tenants backing off, by when they are ready again: a turn looks
+    /// only at those whose time has come, never at every tenant.
+    backing_off: BTreeSet<(Instant, usize)>,
     index: HashMap<Arc<str>, usize>,
+    /// Tenants the poll or a notification names are added as they come
+    /// (`tenants = "*"`); otherwise only the configured ones are known.
+    discovers: bool,
     backoff: Backoff,
 }
 
 impl Schedule {
     pub fn new(tenants: &[String], backoff: Backoff) -> Schedule {
-        let names: Vec<Arc<str>> = tenants.iter().map(|t| Arc::from(t.as_str())).collect();
-        let index = names
-            .iter()
-            .enumerate()
-            .map(|(i, n)| (n.clone(), i))
-            .collect();
-        Schedule {
-            states: vec![State::Idle; names.len()],
-            failures: vec![0; names.len()],
-            follow_up: vec![false; names.len()],
-            ready: VecDeque::new(),
-            names,
-            index,
+        let mut schedule = Schedule {
+            names: Vec::new(),
+            states: Vec::new(),
+            failures: Vec::new(),
+            follow_up: Vec::new(),
+            fresh: VecDeque::new(),
+            busy: VecDeque::new(),
+            busy_turn: false,
+            backing_off: BTreeSet::new(),
+            index: HashMap::new(),
+            discovers: false,
             backoff,
+        };
+        for tenant in tenants {
+            schedule.add(tenant);
         }
+        schedule
+    }
+
+    /// A schedule that learns its tenants from the poll and notifications
+    /// (`tenants = "*"`).
+    pub fn discovering(backoff: Backoff) -> Schedule {
+        Schedule {
+            discovers: true,
+            ..Schedule::new(&[], backoff)
+        }
+    }
+
+    fn add(&mut self, tenant: &str) -> usize {
+        let i = self.names.len();
+        let name: Arc<str> = Arc::from(tenant);
+        self.index.insert(name.clone(), i);
+        self.names.push(name);
+        self.states.push(State::Idle);
+        self.failures.push(0);
+        self.follow_up.push(false);
+        i
     }
 
     pub fn name(&self, tenant: usize) -> &Arc<str> {
         &self.names[tenant]
+    }
+
+    /// The index of `tenant`: a configured one, or any one when tenants are
+    /// discovered (added the first time it is named).
+    pub fn tenant(&mut self, tenant: &str) -> Option<usize> {
+        match self.index.get(tenant) {
+            Some(&i) => Some(i),
+            None if self.discovers => Some(self.add(tenant)),
+            None => None,
+        }
     }
 
     /// The poll found rows pending for these tenants. They join the ready
@@ -98,11 +149,11 @@ impl Schedule {
             offset % tenants.len()
         };
         for name in tenants[start..].iter().chain(&tenants[..start]).copied() {
-            if let Some(&i) = self.index.get(name)
+            if let Some(i) = self.tenant(name)
                 && self.states[i] == State::Idle
             {
                 self.states[i] = State::Ready;
-                self.ready.push_back(i);
+                self.fresh.push_back(i);
             }
         }
     }
@@ -115,7 +166,7 @@ impl Schedule {
         match self.states[tenant] {
             State::Idle => {
                 self.states[tenant] = State::Ready;
-                self.ready.push_back(tenant);
+                self.fresh.push_back(tenant);
                 true
             }
             State::Running => !std::mem::replace(&mut self.follow_up[tenant], true),
@@ -123,24 +174,36 @@ impl Schedule {
         }
     }
 
-    /// Moves tenants whose back-off has passed to the ready queue; returns them.
+    /// Moves tenants whose back-off has passed to the ready queue; returns
+    /// them. Looks only at those.
     pub fn wake(&mut self, now: Instant) -> Vec<usize> {
         let mut woken = Vec::new();
-        for i in 0..self.states.len() {
-            if let State::Backoff(until) = self.states[i]
-                && until <= now
-            {
-                self.states[i] = State::Ready;
-                self.ready.push_back(i);
-                woken.push(i);
-            }
+        while let Some(&(until, i)) = self.backing_off.first()
+            && until <= now
+        {
+            self.backing_off.pop_first();
+            self.states[i] = State::Ready;
+            self.fresh.push_back(i);
+            woken.push(i);
         }
         woken
     }
 
-    /// The next tenant to sweep, marked running.
+    /// The next tenant to sweep, marked running: the two queues take turns
+    /// while both hold tenants.
     pub fn next_ready(&mut self) -> Option<usize> {
-        let i = self.ready.pop_front()?;
+        let from_busy = match (self.busy.is_empty(), self.fresh.is_empty()) {
+            (true, true) => return None,
+            (false, true) => true,
+            (true, false) => false,
+            (false, false) => self.busy_turn,
+        };
+        let i = if from_busy {
+            self.busy.pop_front()
+        } else {
+            self.fresh.pop_front()
+        }?;
+        self.busy_turn = !from_busy;
         self.states[i] = State::Running;
         Some(i)
     }
@@ -152,7 +215,7 @@ impl Schedule {
             Outcome::Published => {
                 self.failures[tenant] = 0;
                 self.states[tenant] = State::Ready;
-                self.ready.push_back(tenant);
+                self.busy.push_back(tenant);
                 Duration::ZERO
             }
             Outcome::Idle | Outcome::Skipped => {
@@ -169,6 +232,7 @@ impl Schedule {
                 self.failures[tenant] = self.failures[tenant].saturating_add(1);
                 let delay = self.backoff.delay(self.failures[tenant]);
                 self.states[tenant] = State::Backoff(now + delay);
+                self.backing_off.insert((now + delay, tenant));
                 delay
             }
         }
@@ -185,22 +249,22 @@ impl Schedule {
 
     /// The earliest instant a backing-off tenant becomes ready.
     pub fn next_wake(&self) -> Option<Instant> {
-        self.states
-            .iter()
-            .filter_map(|s| match s {
-                State::Backoff(until) => Some(*until),
-                _ => None,
-            })
-            .min()
+        self.backing_off.first().map(|&(until, _)| until)
     }
 
-    /// Whether `tenant` is one of the configured tenants.
+    /// Whether `tenant` is relayed: configured, or any tenant when they are
+    /// discovered.
     pub fn knows(&self, tenant: &str) -> bool {
-        self.index.contains_key(tenant)
+        self.discovers || self.index.contains_key(tenant)
     }
 
     pub fn has_ready(&self) -> bool {
-        !self.ready.is_empty()
+        !self.fresh.is_empty() || !self.busy.is_empty()
+    }
+
+    /// Tenants waiting in the ready queues.
+    pub fn ready_len(&self) -> usize {
+        self.fresh.len() + self.busy.len()
     }
 
     pub fn len(&self) -> usize {
@@ -211,6 +275,29 @@ impl Schedule {
         self.names.is_empty()
     }
 }
+
+/// With several replicas (`wakeup = notify`: they know each other, see
+/// `wakeup`), a replica sweeps at once, from the poll, only the pending
+/// tenants it owns; it takes a tenant another replica owns when this many
+/// polls in a row have found the same lowest pending id for it (its owner is
+/// gone, or is behind) ...
+pub const TAKEOVER_POLLS: u32 = 10;
+/// ... or already when this many have, and it has nothing of its own queued.
+/// So no replica re-sweeps tenants another one emptied, an idle replica
+/// helps a busy one within two polls, and a dead replica's tenants move
+/// within [`TAKEOVER_POLLS`] polls at the latest (sooner: at the first poll
+/// after its LISTEN session ends, when it is no longer a member).
+pub const TAKEOVER_IDLE_POLLS: u32 = 2;
+
+/// While at least this many tenants wait in the ready queues, the poll (whose
+/// cost grows with the tenants it finds pending: 56–95 ms of the database's
+/// time for 10,000) runs only every [`BUSY_POLL_EVERY`] intervals: it would
+/// add little to the queue. So a pending row is found within `poll_ms`, or
+/// within `BUSY_POLL_EVERY` × `poll_ms` while the relay has this much work
+/// and is sweeping (during an outage the poll runs every interval: it is how
+/// the relay sees the database back).
+pub const BUSY_QUEUE: usize = 64;
+pub const BUSY_POLL_EVERY: u32 = 5;
 
 /// How many distinct unconfigured tenants are warned about (once each).
 const UNCONFIGURED_WARNINGS: usize = 100;
@@ -272,6 +359,13 @@ struct Scheduler {
     /// The instance ids of the relays LISTENing for this table's
     /// notifications, as the last poll found them.
     members: Vec<String>,
+    /// The tenants the last poll found pending: their lowest pending id and
+    /// how many polls in a row have found that same id. Lag gauges are set
+    /// for these and the newly pending ones only; a replica takes a tenant
+    /// another one owns by this count (see [`TAKEOVER_POLLS`]).
+    last_pending: HashMap<String, (i64, u32)>,
+    /// When the last poll started.
+    last_poll: Option<Instant>,
 }
 
 impl Scheduler {
@@ -282,7 +376,11 @@ impl Scheduler {
             Duration::from_millis(config.max_backoff_ms),
         );
         Scheduler {
-            schedule: Schedule::new(&config.tenants, backoff),
+            schedule: if config.tenants.discovers() {
+                Schedule::discovering(backoff)
+            } else {
+                Schedule::new(config.tenants.listed(), backoff)
+            },
             relay,
             sweeps: JoinSet::new(),
             running: HashMap::new(),
@@ -293,6 +391,8 @@ impl Scheduler {
             poll_error: None,
             unconfigured: HashSet::new(),
             members: Vec::new(),
+            last_pending: HashMap::new(),
+            last_poll: None,
         }
     }
 
@@ -300,7 +400,20 @@ impl Scheduler {
     /// up to `concurrency`. Returns when the loop must look again at the latest.
     fn turn(&mut self, now: Instant) -> Instant {
         let poll_interval = self.relay.config.poll_interval();
+        if self.poll.is_none()
+            && now >= self.next_poll
+            && self.schedule.ready_len() >= BUSY_QUEUE
+            && self.database_up == Some(true)
+            && self.relay.publisher.is_ready()
+            && self
+                .last_poll
+                .is_some_and(|at| now < at + poll_interval * BUSY_POLL_EVERY)
+        {
+            // Enough work is queued: the poll waits (see BUSY_QUEUE).
+            self.next_poll = now + poll_interval;
+        }
         if self.poll.is_none() && now >= self.next_poll {
+            self.last_poll = Some(now);
             let relay = self.relay.clone();
             // Checked until fit, and while the table lacks the columns of
             // parking (they appear when `migrate` runs).
@@ -351,9 +464,11 @@ impl Scheduler {
         if woken.poll {
             self.next_poll = self.next_poll.min(now);
         }
-        for tenant in woken.tenants {
-            let name = self.schedule.name(tenant);
-            if self.relay.wakeups.sweeps_at_once(name, &self.members)
+        for name in woken.tenants {
+            let Some(tenant) = self.schedule.tenant(&name) else {
+                continue;
+            };
+            if self.relay.wakeups.sweeps_at_once(&name, &self.members)
                 && self.schedule.notified(tenant)
             {
                 self.relay.metrics.count_wakeup();
@@ -433,34 +548,62 @@ impl Scheduler {
             .map(str::to_string)
             .collect();
         let now = Instant::now();
-        let oldest: HashMap<&str, &PendingTenant> =
-            pending.iter().map(|p| (p.tenant.as_str(), p)).collect();
-        for tenant in &self.relay.config.tenants {
-            let found = oldest.get(tenant.as_str());
-            let lag = self.relay.lag.observe(
-                tenant,
-                found.map(|p| p.oldest_id),
-                found.map_or(0, |p| p.lag_ms),
-                now,
-            );
-            self.relay.metrics.set_lag(tenant, lag);
-        }
-        self.relay
-            .metrics
-            .set_parked(&self.relay.config.tenants, &parked);
-        for PendingTenant { tenant, .. } in &pending {
-            if !self.schedule.knows(tenant)
-                && self.unconfigured.len() < UNCONFIGURED_WARNINGS
-                && self.unconfigured.insert(tenant.clone())
+        let own_queue_empty = !self.schedule.has_ready();
+        let mut found = HashMap::with_capacity(pending.len());
+        let mut lags = Vec::with_capacity(pending.len() + self.last_pending.len());
+        let mut due = Vec::with_capacity(pending.len());
+        for PendingTenant {
+            tenant,
+            oldest_id,
+            lag_ms,
+        } in &pending
+        {
+            if !self.schedule.knows(tenant) {
+                if self.unconfigured.len() < UNCONFIGURED_WARNINGS
+                    && self.unconfigured.insert(tenant.clone())
+                {
+                    tracing::warn!(
+                        tenant = ?tenant,
+                        "rows are pending for a tenant this relay is not configured for; they stay pending until a relay lists it in `tenants`"
+                    );
+                }
+                continue;
+            }
+            let lag = self
+                .relay
+                .lag
+                .observe(tenant, Some(*oldest_id), *lag_ms, now);
+            lags.push((tenant.as_str(), lag));
+            let polls = match self.last_pending.get(tenant) {
+                Some(&(id, polls)) if id == *oldest_id => polls.saturating_add(1),
+                _ => 1,
+            };
+            found.insert(tenant.clone(), (*oldest_id, polls));
+            if self.relay.wakeups.sweeps_at_once(tenant, &self.members)
+                || polls >= TAKEOVER_POLLS
+                || (own_queue_empty && polls >= TAKEOVER_IDLE_POLLS)
             {
-                tracing::warn!(
-                    tenant = ?tenant,
-                    "rows are pending for a tenant this relay is not configured for; they stay pending until a relay lists it in `tenants`"
-                );
+                due.push(tenant.as_str());
             }
         }
-        self.schedule
-            .pending(pending.iter().map(|p| p.tenant.as_str()), random_offset());
+        // Tenants emptied since the last poll: their lag is 0 now.
+        for tenant in self.last_pending.keys() {
+            if !found.contains_key(tenant) {
+                self.relay.lag.observe(tenant, None, 0, now);
+                lags.push((tenant.as_str(), 0));
+            }
+        }
+        self.relay.metrics.set_lags(lags);
+        // Parked rows of the tenants this relay relays, as the database
+        // counts them (the same on every replica, and after a restart).
+        let relays_all = self.relay.config.tenants.discovers();
+        let parked: Vec<(String, i64)> = parked
+            .into_iter()
+            .filter(|(tenant, _)| relays_all || self.schedule.knows(tenant))
+            .collect();
+        self.relay.metrics.set_parked(&parked);
+        self.schedule.pending(due, random_offset());
+        self.last_pending = found;
     }
 
     /// The database answered the poll, with rows or with an error.
@@ -582,19 +725,69 @@ mod tests {
     }
 
     #[test]
-    fn a_full_batch_goes_to_the_back_of_the_queue() {
-        let mut s = tenants(3);
+    fn busy_and_fresh_tenants_take_turns() {
+        let mut s = tenants(4);
         let now = Instant::now();
-        s.pending(["t0", "t1", "t2"], 0);
+        s.pending(["t0", "t1", "t2", "t3"], 0);
         let first = s.next_ready().unwrap();
         assert_eq!(s.finished(first, Outcome::Published, now), Duration::ZERO);
-        assert_eq!(s.next_ready(), Some(1));
-        assert_eq!(s.next_ready(), Some(2));
+        let mut order = Vec::new();
+        for _ in 0..4 {
+            let t = s.next_ready().unwrap();
+            order.push(t);
+            if t == 0 {
+                s.finished(t, Outcome::Published, now);
+            }
+        }
         assert_eq!(
-            s.next_ready(),
-            Some(0),
-            "the busy tenant waits its turn, no one starves"
+            order,
+            [0, 1, 0, 2],
+            "the busy tenant goes every other sweep, not behind the whole pending list"
         );
+        assert_eq!(s.next_ready(), Some(0));
+        assert_eq!(s.next_ready(), Some(3), "and no one starves");
+    }
+
+    #[test]
+    fn hot_tenants_get_half_the_sweeps_from_the_start() {
+        // 10 hot tenants and 10,000 with a few rows: the hot ones are
+        // swept every other time as soon as their first batch is full.
+        let mut s = tenants(10_010);
+        let now = Instant::now();
+        let names: Vec<String> = (0..10_010).map(|i| format!("t{i}")).collect();
+        s.pending(names.iter().map(String::as_str), 0);
+        let mut hot_sweeps = 0;
+        for _ in 0..1_000 {
+            let t = s.next_ready().unwrap();
+            if t < 10 {
+                hot_sweeps += 1;
+                s.finished(t, Outcome::Published, now);
+            } else {
+                s.finished(t, Outcome::Idle, now);
+            }
+        }
+        assert!(
+            (495..=515).contains(&hot_sweeps),
+            "{hot_sweeps} of the first 1,000 sweeps went to the hot tenants"
+        );
+    }
+
+    #[test]
+    fn a_discovering_schedule_learns_tenants_from_the_poll_and_notifications() {
+        let mut s = Schedule::discovering(Backoff::new(
+            Duration::from_millis(100),
+            Duration::from_millis(1000),
+        ));
+        assert!(s.is_empty() && s.knows("anyone"));
+        s.pending(["new"], 0);
+        let t = s.next_ready().unwrap();
+        assert_eq!(&**s.name(t), "new");
+        let later = s.tenant("later").unwrap();
+        assert!(s.notified(later));
+        assert_eq!(s.next_ready(), Some(later));
+        assert_eq!(s.tenant("new"), Some(t), "known once");
+        assert_eq!(s.len(), 2);
+        assert_eq!(tenants(1).tenant("other"), None, "configured tenants only");
     }
 
     #[test]

@@ -44,7 +44,7 @@ use tokio_postgres::tls::MakeTlsConnect;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Connection, Socket};
 
-use crate::config::{Config, DatabaseTarget};
+use crate::config::{Config, DatabaseTarget, Tenants};
 use crate::domain::{BatchReport, FailureReason, Lease, OutboxRow, Payload};
 
 /// Deadline of each round trip of a sweep, and of the poll and lag queries.
@@ -752,6 +752,31 @@ impl Store {
             },
         )
         .await
+    }
+
+    /// The lag of every tenant with pending rows (`tenants = "*"`): the
+    /// poll's statement, one round trip, its listeners left out.
+    pub async fn pending_lag(&self) -> Result<Vec<TenantLag>, StoreError> {
+        // No LISTEN connection is named '' (the pattern matches that alone).
+        let polled = self.pending_tenants("").await?;
+        Ok(polled
+            .pending
+            .into_iter()
+            .map(|p| TenantLag {
+                tenant: p.tenant,
+                oldest_id: Some(p.oldest_id),
+                lag_ms: p.lag_ms,
+            })
+            .collect())
+    }
+
+    /// The lag of the tenants the relay relays: the configured ones, or
+    /// every one with pending rows.
+    pub async fn relayed_lag(&self, tenants: &Tenants) -> Result<Vec<TenantLag>, StoreError> {
+        match tenants {
+            Tenants::Listed(names) => self.tenant_lag(names).await,
+            Tenants::Discovered => self.pending_lag().await,
+        }
     }
 
     /// Pending rows, lag and the blocking row of each tenant, one statement.

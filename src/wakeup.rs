@@ -29,7 +29,7 @@
 //! LISTENing notifies the channel with an empty payload ("poll now"), so the
 //! others see it at once.
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -39,7 +39,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio_postgres::{AsyncMessage, Client, Connection};
 
 use crate::backoff::Backoff;
-use crate::config::{Config, DatabaseTarget};
+use crate::config::{Config, DatabaseTarget, Tenants};
 use crate::metrics::Metrics;
 use crate::migrate::{fnv1a, wakeup_channel};
 use crate::shutdown::Shutdown;
@@ -51,11 +51,15 @@ const RECONNECT_FIRST: Duration = Duration::from_millis(100);
 /// ... and later ones at most this far apart.
 const RECONNECT_MAX: Duration = Duration::from_secs(5);
 
-/// The wake-ups waiting for the scheduler: configured tenants by their index
-/// in `tenants`, and whether a poll is asked for. Bounded by the number of
-/// tenants however many notifications arrive: a flood coalesces.
+/// The wake-ups waiting for the scheduler: tenants this relay relays, by
+/// name, and whether a poll is asked for. A flood coalesces: each tenant
+/// waits once however many notifications name it, so what waits is bounded
+/// by the tenants that write (the configured ones, or with `tenants = "*"`
+/// those that wrote since the scheduler last took them).
 pub struct Wakeups {
-    index: HashMap<String, usize>,
+    tenants: Tenants,
+    /// Configured tenants, for a quick refusal of others' notifications.
+    listed: HashSet<String>,
     waiting: Mutex<Waiting>,
     signal: tokio::sync::Notify,
     /// The application_name of this relay's LISTEN connection.
@@ -69,8 +73,8 @@ pub struct Wakeups {
 
 #[derive(Default)]
 struct Waiting {
-    tenants: Vec<usize>,
-    queued: Vec<bool>,
+    tenants: Vec<String>,
+    queued: HashSet<String>,
     poll: bool,
 }
 
@@ -78,30 +82,27 @@ struct Waiting {
 /// poll now.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Woken {
-    pub tenants: Vec<usize>,
+    pub tenants: Vec<String>,
     pub poll: bool,
 }
 
 impl Wakeups {
     pub fn new(config: &Config) -> Wakeups {
         let channel = wakeup_channel(&config.schema, &config.table);
+        // Discovering relays are members of one set, told from any list.
+        let tenants_hash = match &config.tenants {
+            Tenants::Listed(names) => tenants_hash(names),
+            Tenants::Discovered => tenants_hash(&["*".to_string()]),
+        };
         let members_prefix = format!(
-            "outbox-relay:{:016x}:{:08x}:",
+            "outbox-relay:{:016x}:{tenants_hash:08x}:",
             fnv1a(channel.as_bytes()),
-            tenants_hash(&config.tenants)
         );
         let instance = format!("{:016x}", random_u64());
         Wakeups {
-            index: config
-                .tenants
-                .iter()
-                .enumerate()
-                .map(|(i, t)| (t.clone(), i))
-                .collect(),
-            waiting: Mutex::new(Waiting {
-                queued: vec![false; config.tenants.len()],
-                ..Waiting::default()
-            }),
+            listed: config.tenants.listed().iter().cloned().collect(),
+            tenants: config.tenants.clone(),
+            waiting: Mutex::new(Waiting::default()),
             signal: tokio::sync::Notify::new(),
             application_name: format!("{members_prefix}{instance}"),
             members_prefix,
@@ -109,19 +110,20 @@ impl Wakeups {
         }
     }
 
-    /// A notification's payload: a configured tenant waits for the
+    /// A notification's payload: a tenant this relay relays waits for the
     /// scheduler; '' (a name too long for a payload) asks for a poll; any
     /// other tenant is not this relay's.
     pub fn notified(&self, payload: &str) {
         if payload.is_empty() {
             return self.poll_now();
         }
-        let Some(&tenant) = self.index.get(payload) else {
+        if !self.tenants.discovers() && !self.listed.contains(payload) {
             return;
-        };
+        }
         let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
-        if !std::mem::replace(&mut waiting.queued[tenant], true) {
-            waiting.tenants.push(tenant);
+        if !waiting.queued.contains(payload) {
+            waiting.queued.insert(payload.to_string());
+            waiting.tenants.push(payload.to_string());
         }
         drop(waiting);
         self.signal.notify_one();
@@ -140,9 +142,7 @@ impl Wakeups {
     pub fn take(&self) -> Woken {
         let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
         let tenants = std::mem::take(&mut waiting.tenants);
-        for &tenant in &tenants {
-            waiting.queued[tenant] = false;
-        }
+        waiting.queued.clear();
         Woken {
             tenants,
             poll: std::mem::take(&mut waiting.poll),
@@ -435,13 +435,28 @@ mod tests {
         assert_eq!(
             w.take(),
             Woken {
-                tenants: vec![2, 0],
+                tenants: vec!["c".to_string(), "a".to_string()],
                 poll: false
             }
         );
         assert_eq!(w.take(), Woken::default(), "taken once");
         w.notified("a");
-        assert_eq!(w.take().tenants, [0], "waits again once taken");
+        assert_eq!(w.take().tenants, ["a"], "waits again once taken");
+    }
+
+    #[test]
+    fn a_discovering_relay_takes_any_tenant() {
+        let w = Wakeups::new(&Config::with_tenants(["*"]));
+        w.notified("new");
+        w.notified("new");
+        w.notified("other");
+        assert_eq!(w.take().tenants, ["new", "other"]);
+        assert!(
+            Wakeups::new(&Config::with_tenants(["*"]))
+                .member_of(&w.application_name)
+                .is_some(),
+            "discovering replicas are members of one set"
+        );
     }
 
     #[test]
@@ -490,7 +505,7 @@ mod tests {
     #[test]
     fn one_owner_per_tenant_and_tenants_spread_over_members() {
         let members: Vec<String> = (0..3).map(|i| format!("{i:016x}")).collect();
-        let mut owned = HashMap::<&String, usize>::new();
+        let mut owned = std::collections::HashMap::<&String, usize>::new();
         for t in 0..3000 {
             let tenant = format!("tenant-{t}");
             let first = owner(&tenant, &members).unwrap();

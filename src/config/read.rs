@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use figment::value::Value;
 
 use super::target::{AmqpTarget, DatabaseTarget};
-use super::{LogFormat, Wakeup};
+use super::{LogFormat, Tenants, Wakeup};
 use crate::template::RoutingKey;
 
 /// Why a value was refused: what to show of it and what is allowed.
@@ -179,13 +179,25 @@ impl Rule<String> for Identifier {
 /// `outbox-tenant-id` header, which must fit one AMQP frame with the rest.
 pub const MAX_TENANT_BYTES: usize = 65_536;
 
+/// What `tenants` is set to for discovered tenants.
+pub const DISCOVER: &str = "*";
+
 /// A list of tenant names: a TOML array, or comma-separated text (a variable
 /// or a flag). Non-empty names without control characters, each once, at
-/// least one.
+/// least one. `"*"` alone (a string, or the only item): discovered tenants.
+/// Linear in the number of names (one hash set).
 pub struct TenantList;
 
-impl Rule<Vec<String>> for TenantList {
-    fn read(&self, raw: &Value) -> Result<Vec<String>, Rejected> {
+impl Rule<Tenants> for TenantList {
+    fn read(&self, raw: &Value) -> Result<Tenants, Rejected> {
+        let star = |v: &Value| matches!(v, Value::String(_, s) if s.trim() == DISCOVER);
+        match raw {
+            Value::Array(_, items) if items.len() == 1 && star(&items[0]) => {
+                return Ok(Tenants::Discovered);
+            }
+            raw if star(raw) => return Ok(Tenants::Discovered),
+            _ => {}
+        }
         let list: Vec<Value> = match raw {
             Value::Array(_, items) => items.clone(),
             Value::String(_, s) => s
@@ -227,12 +239,17 @@ impl Rule<Vec<String>> for TenantList {
             if !seen.insert(name.as_str()) {
                 return Err(refuse(format!("tenant \"{name}\" is listed twice")));
             }
+            if name.trim() == DISCOVER {
+                return Err(refuse(format!(
+                    "\"{DISCOVER}\" (every tenant with pending rows) stands alone, not among names"
+                )));
+            }
             tenants.push(name.clone());
         }
         if tenants.is_empty() {
             return Err(refuse("at least one tenant is required".into()));
         }
-        Ok(tenants)
+        Ok(Tenants::Listed(tenants))
     }
 }
 
@@ -281,10 +298,15 @@ impl Render for Wakeup {
     }
 }
 
-impl Render for Vec<String> {
+impl Render for Tenants {
     fn render(&self) -> String {
-        let items: Vec<String> = self.iter().map(|t| quote(t)).collect();
-        format!("[{}]", items.join(", "))
+        match self {
+            Tenants::Listed(names) => {
+                let items: Vec<String> = names.iter().map(|t| quote(t)).collect();
+                format!("[{}]", items.join(", "))
+            }
+            Tenants::Discovered => quote(DISCOVER),
+        }
     }
 }
 

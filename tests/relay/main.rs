@@ -5,6 +5,7 @@
 mod cli;
 mod delivery;
 mod deploy;
+mod discovery;
 mod endpoints;
 mod failover;
 mod faults;

@@ -1,0 +1,131 @@
+//! Discovered tenants (`tenants = "*"`): a tenant that first writes while the
+//! relay runs is relayed without a restart, checked on the consumer's side;
+//! `/healthz`, `status` and the lag gauge cover it; past `max_tenants` its
+//! series go under the overflow label and its rows still go out.
+
+use std::process::Command;
+use std::time::Duration;
+
+use outbox_relay::metrics::OVERFLOW;
+
+use crate::support::{
+    Broker, DATABASE_URL, Outbox, by_tenant, config, eventually, metric, relay_command, start_relay,
+};
+
+/// `outbox-relay status --json` over this outbox with `tenants = "*"`.
+fn status_json(outbox: &Outbox) -> serde_json::Value {
+    let mut command: Command = relay_command();
+    command
+        .env("OUTBOX_TENANTS", "*")
+        .env("OUTBOX_DATABASE_URL", DATABASE_URL)
+        .env("OUTBOX_SCHEMA", &outbox.schema)
+        .env("OUTBOX_TABLE", &outbox.table)
+        .env("OUTBOX_LOG_FORMAT", "json")
+        .args(["status", "--json"]);
+    let output = command.output().expect("the binary runs");
+    serde_json::from_str(&String::from_utf8_lossy(&output.stdout)).unwrap_or_else(|e| {
+        panic!(
+            "status prints JSON ({e}): {}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_that_first_writes_mid_run_is_relayed_and_reported() {
+    let outbox = Outbox::create().await;
+    // Only early.* and late.* are routed: the stuck tenant's rows are
+    // refused (unroutable) and stay pending, for the lag checks.
+    let broker = Broker::create(&["early.#", "late.#"]).await;
+    let early = outbox.insert_many("early", 3).await;
+    let relay = start_relay(config(&outbox, &broker, &["*"])).await;
+    eventually(
+        "the tenant pending at start is relayed",
+        Duration::from_secs(20),
+        || async { by_tenant(&broker.received()).get("early") == Some(&early) },
+    )
+    .await;
+
+    // A tenant nobody configured writes for the first time, mid-run.
+    let late = outbox.insert_many("late", 4).await;
+    eventually(
+        "the tenant that first wrote mid-run is relayed, in order",
+        Duration::from_secs(20),
+        || async { by_tenant(&broker.received()).get("late") == Some(&late) },
+    )
+    .await;
+    assert_eq!(outbox.pending_of(&["early", "late"]).await, 0);
+
+    let stuck = outbox.insert("stuck", "k", "s", Some("{}"), None).await;
+    eventually(
+        "the discovered tenant's lag gauge is exposed",
+        Duration::from_secs(20),
+        || async {
+            let (_, text) = relay.get("/metrics").await;
+            metric(&text, "outbox_lag_seconds{tenant=\"stuck\"}").is_some()
+                && metric(&text, "outbox_published_total{tenant=\"late\"}") == Some(4.0)
+        },
+    )
+    .await;
+    let (code, body) = relay.get("/healthz").await;
+    assert_eq!(code, 200, "within max_lag_ms: {body}");
+    let health: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let tenants = health["tenants"].as_array().unwrap();
+    let listed: Vec<&str> = tenants
+        .iter()
+        .map(|t| t["tenant"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, ["stuck"], "the pending tenant: {body}");
+    assert_eq!(tenants[0]["pending"], true);
+
+    let report = status_json(&outbox);
+    let lines = report["tenants"].as_array().unwrap();
+    assert_eq!(lines.len(), 1, "{report}");
+    assert_eq!(lines[0]["tenant"], "stuck");
+    assert_eq!(lines[0]["oldest_id"], stuck);
+    assert_eq!(lines[0]["pending"], 1);
+
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_past_max_tenants_share_the_overflow_label_and_their_rows_go_out() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let mut config = config(&outbox, &broker, &["*"]);
+    config.max_tenants = 2;
+    let tenants = ["t1", "t2", "t3", "t4", "t5"];
+    let mut committed = std::collections::BTreeMap::new();
+    for tenant in tenants {
+        committed.insert(tenant.to_string(), outbox.insert_many(tenant, 3).await);
+    }
+    let relay = start_relay(config).await;
+    eventually(
+        "every tenant's rows arrive, in order",
+        Duration::from_secs(20),
+        || async { by_tenant(&broker.received()) == committed },
+    )
+    .await;
+    assert_eq!(outbox.all_pending().await, 0);
+
+    let (_, text) = relay.get("/metrics").await;
+    let own: Vec<&str> = tenants
+        .iter()
+        .copied()
+        .filter(|t| metric(&text, &format!("outbox_published_total{{tenant=\"{t}\"}}")).is_some())
+        .collect();
+    assert_eq!(own.len(), 2, "max_tenants tenants have their own: {own:?}");
+    assert_eq!(
+        metric(
+            &text,
+            &format!("outbox_published_total{{tenant=\"{OVERFLOW}\"}}")
+        ),
+        Some(9.0),
+        "the other three tenants' 9 rows are counted under {OVERFLOW}:\n{text}"
+    );
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
