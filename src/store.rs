@@ -481,6 +481,23 @@ impl Store {
         Ok(batch)
     }
 
+    /// Marks rows the broker confirmed whose claim ended without its commit
+    /// (see `relay`'s settlement retry): one statement, a transaction of its
+    /// own, on a pooled connection (never the claim's, which is gone); the
+    /// rows it marked. Idempotent: a row marked already keeps its time.
+    pub async fn mark_confirmed(&self, ids: &[i64]) -> Result<u64, StoreError> {
+        let conn = self.connection().await?;
+        let result = deadline(
+            "marking confirmed rows again",
+            update_ids(&conn, &self.statements.mark_published, ids),
+        )
+        .await;
+        if result.is_err() {
+            drop(Object::take(conn));
+        }
+        result
+    }
+
     /// The configured tenants' lag, one statement.
     pub async fn tenant_lag(&self, tenants: &[String]) -> Result<Vec<TenantLag>, StoreError> {
         self.query_all(
