@@ -27,7 +27,8 @@
 //!    writes the logs; [`shutdown`] drains sweeps on SIGTERM; [`migrate`]
 //!    creates and upgrades the table (and checks it at start); [`status`] is
 //!    the operator's view from the database; [`tail`] prints what the relay
-//!    publishes, as a consumer sees it.
+//!    publishes, as a consumer sees it; [`retention`] deletes rows published
+//!    longer ago than `retention_ms`, in small batches, one relay at a time.
 #![forbid(unsafe_code)]
 
 pub mod backoff;
@@ -42,6 +43,7 @@ pub mod migrate;
 pub mod publisher;
 pub mod redact;
 pub mod relay;
+pub mod retention;
 pub mod scheduler;
 pub mod shutdown;
 pub mod status;
@@ -118,6 +120,12 @@ pub async fn serve(
             scheduler_stop.clone(),
         ))
     });
+    let retention = retention::spawn(
+        &relay.config,
+        &relay.store,
+        &relay.metrics,
+        scheduler_stop.clone(),
+    );
     let scheduler = tokio::spawn({
         let relay = relay.clone();
         async move {
@@ -135,6 +143,9 @@ pub async fn serve(
     let _ = scheduler.await;
     if let Some(wakeup) = wakeup {
         let _ = wakeup.await;
+    }
+    if let Some(retention) = retention {
+        let _ = retention.await;
     }
     stop_rest.fire();
     let _ = broker.await;

@@ -395,6 +395,13 @@ impl Store {
         })
     }
 
+    /// Whether a caller waits for a pooled connection, or would have to:
+    /// work that can wait (retention) leaves the pool to the sweeps then.
+    pub fn pool_is_busy(&self) -> bool {
+        let status = self.pool.status();
+        status.waiting > 0 || (status.available == 0 && status.size >= status.max_size)
+    }
+
     /// A pooled connection, within [`POOL_WAIT_TIMEOUT`].
     pub async fn connection(&self) -> Result<Object, StoreError> {
         self.pool.get().await.map_err(StoreError::Pool)

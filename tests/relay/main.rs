@@ -12,6 +12,7 @@ mod order;
 mod pgbouncer;
 mod proxy;
 mod refusals;
+mod retention;
 mod rows;
 mod support;
 mod tls;
