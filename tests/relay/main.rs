@@ -14,6 +14,7 @@ mod proxy;
 mod refusals;
 mod retention;
 mod rows;
+mod settlement;
 mod support;
 mod tls;
 mod values;
