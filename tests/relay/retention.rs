@@ -233,3 +233,55 @@ fn partitioned_table_sql(schema: &str) -> String {
         schema = format!("\"{schema}\"")
     )
 }
+
+/// One relay at a time: while another session holds retention's advisory
+/// lock for the table, a relay deletes nothing (for three rounds); once it
+/// is released, the old rows go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_waits_its_turn_on_the_advisory_lock() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let old = published_ago(&outbox, "a", 100, "1 hour").await;
+    let holder = crate::support::pg_client().await;
+    let key = format!("{}.{}", outbox.schema, outbox.table);
+    holder
+        .execute(
+            "SELECT pg_advisory_lock($1, hashtext($2))",
+            &[&outbox_relay::retention::LOCK_CLASS, &key],
+        )
+        .await
+        .expect("take retention's lock");
+    let mut config = config(&outbox, &broker, &["a"]);
+    config.retention_ms = 2_000; // a round every second
+    let relay = start_relay(config).await;
+    // Absence can only be watched for a while: three rounds.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        rows(&outbox).await,
+        old.len() as i64,
+        "nothing deleted while held"
+    );
+    assert_eq!(
+        metric(
+            &relay.get("/metrics").await.1,
+            "outbox_retention_deleted_total"
+        ),
+        Some(0.0)
+    );
+    holder
+        .execute(
+            "SELECT pg_advisory_unlock($1, hashtext($2))",
+            &[&outbox_relay::retention::LOCK_CLASS, &key],
+        )
+        .await
+        .expect("release retention's lock");
+    eventually(
+        "the old rows are deleted once the lock is free",
+        Duration::from_secs(10),
+        || async { rows(&outbox).await == 0 },
+    )
+    .await;
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
