@@ -1043,8 +1043,9 @@ async fn table_bytes(table: &Table) -> i64 {
 
 /// Retention (a): a writer at `rate` rows/s over 10 tenants (a multi-row
 /// INSERT every 100 ms) for `duration`, beside a relay with `retention_ms`
-/// (none: 0); the table's total size, MiB, every 5 s.
-async fn retention_sizes(rate: u64, duration: Duration, retention_ms: u64) -> Vec<(u64, f64)> {
+/// (none: 0); the table's total size, MiB, and its rows, every 5 s. (Space
+/// a DELETE frees is reused once autovacuum has passed.)
+async fn retention_sizes(rate: u64, duration: Duration, retention_ms: u64) -> Vec<(u64, f64, i64)> {
     let table = Table::create().await;
     let exchange = Exchange::create(false).await;
     let names = tenants(10);
@@ -1069,7 +1070,8 @@ async fn retention_sizes(rate: u64, duration: Duration, retention_ms: u64) -> Ve
             .expect("insert");
         if tick.is_multiple_of(50) {
             let bytes = table_bytes(&table).await;
-            sizes.push((u64::from(tick / 10), bytes as f64 / (1 << 20) as f64));
+            let rows = table.count("true").await;
+            sizes.push((u64::from(tick / 10), bytes as f64 / (1 << 20) as f64, rows));
         }
         tick += 1;
     }
@@ -1090,12 +1092,16 @@ async fn retention_drain(rows: u64, retention: bool) -> f64 {
     table
         .client
         .batch_execute(&format!(
-            "UPDATE {} SET published_at = now() - interval '1 hour'; VACUUM ANALYZE {}",
-            table.qualified(),
+            "UPDATE {} SET published_at = now() - interval '1 hour'",
             table.qualified()
         ))
         .await
         .expect("publish the old rows");
+    table
+        .client
+        .batch_execute(&format!("VACUUM ANALYZE {}", table.qualified()))
+        .await
+        .expect("vacuum");
     table.fill(&names, rows, 256).await;
     let retention_ms = if retention { 10_000 } else { 0 };
     let settings = [("OUTBOX_RETENTION_MS", retention_ms.to_string())];
@@ -1710,10 +1716,10 @@ async fn main() {
             let sizes = retention_sizes(knobs.rate, duration, retention_ms).await;
             let shown: Vec<String> = sizes
                 .iter()
-                .map(|(at, mib)| format!("{at}s {mib:.1}"))
+                .map(|(at, mib, rows)| format!("{at}s {mib:.1} MiB/{rows} rows"))
                 .collect();
             println!(
-                "retention, {} rows/s, {label}: table + indexes MiB: {}",
+                "retention, {} rows/s, {label}: table + indexes: {}",
                 knobs.rate,
                 shown.join(", ")
             );
