@@ -31,7 +31,7 @@
 //! 5. drain with 4 KiB payloads;
 //! 6. memory — peak RSS of one relay (defaults) relaying one 100 MiB row
 //!    (refused as `too_large`), six 15 MiB rows, and 2,048 rows of 64 KiB
-//!    over 4 tenants: the byte budget (`max_bytes_in_flight`) at work.
+//!    over 4 tenants: the byte budget (`max_bytes_in_flight`) at work;
 //! 7. scale — 10,000 tenants (`tenants = "*"`), BENCH_ROWS rows: half over
 //!    10 hot tenants, half over the 9,990 others; drained by 1, 3 and 6
 //!    relays with a consumer: rate, idle sweeps beyond one per tenant and
@@ -40,11 +40,18 @@
 //!    relay with 10,000 listed tenants idle and across a `/metrics` scrape;
 //!    a trickle of 500 rows/s over the 10,000 tenants into 3 relays, p99
 //!    delay with `wakeup = poll` and `notify`.
+//! 8. retention — (a) a writer at BENCH_RATE rows/s for
+//!    BENCH_RETENTION_SECS (60) beside a relay, once with `retention_ms` =
+//!    10 s and once without: the table's size with its indexes
+//!    (`pg_total_relation_size`) every 5 s, flat with retention, growing
+//!    without; (b) the drain of BENCH_ROWS pending rows behind 3 × BENCH_ROWS
+//!    rows published an hour ago, with retention deleting them meanwhile and
+//!    without: rows/s.
 //!
 //! Knobs (environment): BENCH_ROWS (100000), BENCH_RUNS (3), BENCH_RATE
 //! (1000 rows/s), BENCH_STEADY_SECS (20), BENCH_IDLE_SECS (10), BENCH_ONLY
 //! (comma-separated scenario names: ceiling, drain, steady, latency,
-//! producers, memory, idle, drain4k, scale), BENCH_DRAIN (drain shapes, of 256 B
+//! producers, memory, idle, drain4k, scale, retention), BENCH_DRAIN (drain shapes, of 256 B
 //! and 4 KiB alike, e.g. `100x3,1x1,1x1/backlog`), BENCH_RELAY_LOG (the
 //! relays' log filter, their logs on stdout: `outbox_relay::relay=debug`
 //! gives each sweep's claim, publish and settle times), BENCH_VERBOSE (per run: rates, CPU
@@ -1038,6 +1045,106 @@ async fn steady(rate: u64, duration: Duration, settings: &[(&str, String)]) -> V
     delays
 }
 
+/// The table's size with its indexes and TOAST, bytes.
+async fn table_bytes(table: &Table) -> i64 {
+    table
+        .client
+        .query_one(
+            "SELECT pg_total_relation_size($1::text::regclass)",
+            &[&table.qualified()],
+        )
+        .await
+        .expect("table size")
+        .get(0)
+}
+
+/// Retention (a): a writer at `rate` rows/s over 10 tenants (a multi-row
+/// INSERT every 100 ms) for `duration`, beside a relay with `retention_ms`
+/// (none: 0); the table's total size, MiB, and its rows, every 5 s. (Space
+/// a DELETE frees is reused once autovacuum has passed.)
+async fn retention_sizes(rate: u64, duration: Duration, retention_ms: u64) -> Vec<(u64, f64, i64)> {
+    let table = Table::create().await;
+    let exchange = Exchange::create(false).await;
+    let names = tenants(10);
+    let settings = [("OUTBOX_RETENTION_MS", retention_ms.to_string())];
+    let relay = RelayProcess::spawn_with(&table, &exchange, &names, "127.0.0.1:0", &settings);
+    let insert = format!(
+        "INSERT INTO {} (tenant_id, kind, subject_id, payload)
+         SELECT ($1::text[])[1 + (g % 10)], 'thing.changed', 's-' || g, repeat('x', 256)
+         FROM generate_series(1, $2::bigint) g",
+        table.qualified()
+    );
+    let per_tick = (rate / 10).max(1) as i64;
+    let started = tokio::time::Instant::now();
+    let mut sizes = Vec::new();
+    let mut tick = 0u32;
+    while started.elapsed() < duration {
+        tokio::time::sleep_until(started + Duration::from_millis(100) * tick).await;
+        table
+            .client
+            .execute(&insert, &[&names, &per_tick])
+            .await
+            .expect("insert");
+        if tick.is_multiple_of(50) {
+            let bytes = table_bytes(&table).await;
+            let rows = table.count("true").await;
+            sizes.push((u64::from(tick / 10), bytes as f64 / (1 << 20) as f64, rows));
+        }
+        tick += 1;
+    }
+    relay.stop();
+    exchange.delete().await;
+    table.drop().await;
+    sizes
+}
+
+/// Retention (b): `rows` pending rows over 10 tenants behind 3 × `rows`
+/// rows published an hour ago; rows/s of the drain, with a relay whose
+/// `retention_ms` (10 s) deletes the old rows meanwhile, or none.
+async fn retention_drain(rows: u64, retention: bool) -> f64 {
+    let table = Table::create().await;
+    let exchange = Exchange::create(false).await;
+    let names = tenants(10);
+    table.fill(&names, rows * 3, 256).await;
+    table
+        .client
+        .batch_execute(&format!(
+            "UPDATE {} SET published_at = now() - interval '1 hour'",
+            table.qualified()
+        ))
+        .await
+        .expect("publish the old rows");
+    table
+        .client
+        .batch_execute(&format!("VACUUM ANALYZE {}", table.qualified()))
+        .await
+        .expect("vacuum");
+    table.fill(&names, rows, 256).await;
+    let retention_ms = if retention { 10_000 } else { 0 };
+    let settings = [("OUTBOX_RETENTION_MS", retention_ms.to_string())];
+    let started = Instant::now();
+    let relay = RelayProcess::spawn_with(&table, &exchange, &names, "127.0.0.1:0", &settings);
+    assert!(
+        exchange
+            .wait_for(rows as usize, Duration::from_secs(600))
+            .await,
+        "retention drain: not all arrived"
+    );
+    let rate = rows as f64 / started.elapsed().as_secs_f64();
+    let left = table
+        .count("published_at < now() - interval '30 minutes'")
+        .await;
+    if verbose() {
+        eprintln!(
+            "retention drain (retention {retention}): {rate:.0} rows/s, old rows left {left}"
+        );
+    }
+    relay.stop();
+    exchange.delete().await;
+    table.drop().await;
+    rate
+}
+
 /// 1,000 idle tenants: (transactions per poll interval, CPU seconds over
 /// `duration`, peak RSS MiB). Measured differentially: the relay runs once for
 /// 2 s and once for 2 s + `duration`, and each run is counted from before it
@@ -1864,6 +1971,29 @@ async fn main() {
 
     if knobs.wants("scale") {
         scale(&mut report, &knobs).await;
+    }
+    if knobs.wants("retention") {
+        let duration = Duration::from_secs(env_num("BENCH_RETENTION_SECS", 60));
+        for (label, retention_ms) in [("with retention_ms 10 s", 10_000), ("without", 0)] {
+            let sizes = retention_sizes(knobs.rate, duration, retention_ms).await;
+            let shown: Vec<String> = sizes
+                .iter()
+                .map(|(at, mib, rows)| format!("{at}s {mib:.1} MiB/{rows} rows"))
+                .collect();
+            println!(
+                "retention, {} rows/s, {label}: table + indexes: {}",
+                knobs.rate,
+                shown.join(", ")
+            );
+            report.json.insert(
+                format!("retention: table + indexes over time, {label}"),
+                json!({"unit": "MiB", "rate": knobs.rate, "sizes": sizes}),
+            );
+        }
+        let with = repeat(runs, || retention_drain(rows, true)).await;
+        let without = repeat(runs, || retention_drain(rows, false)).await;
+        report.add("retention: drain while cleanup runs", "rows/s", &with, None);
+        report.add("retention: drain without cleanup", "rows/s", &without, None);
     }
 
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-relay.json");

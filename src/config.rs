@@ -25,7 +25,7 @@ use figment::providers::{Format, Toml};
 use figment::value::{Dict, Map, Value};
 use figment::{Figment, Metadata, Profile, Provider};
 
-use crate::template::RoutingKey;
+use crate::template::{MessageIdTemplate, RoutingKey};
 use read::{
     Fallback, Flag, Parse, Render, Rule, SCHEMA_NAME, TABLE_NAME, TenantList, int, keys, parsed,
     short_text,
@@ -92,6 +92,11 @@ keys! {
         check |key: &RoutingKey| every_tenant_fits(key, tenants.listed());
     /// content_type of every message
     content_type: String ["TYPE"] = "application/json".to_string(), short_text();
+    /// message_id template: {id}, {schema}, {table}
+    message_id: MessageIdTemplate ["TEMPLATE"] = default_message_id(), parsed(),
+        check |id: &MessageIdTemplate| id.bind(&schema, &table).map(drop);
+    /// Delete rows published longer ago than this, ms (0 = keep them)
+    retention_ms: u64 ["MS"] = 0, int(0, NO_MAX);
     /// A confirm not seen in this long is a refusal, ms
     confirm_timeout_ms: u64 ["MS"] = 10_000, int(1, NO_MAX);
     /// Larger payloads are refused as too_large
@@ -120,6 +125,10 @@ fn default_target<T: std::str::FromStr<Err = String>>(url: &str) -> T {
 
 fn default_routing_key() -> RoutingKey {
     RoutingKey::parse("{tenant}.{kind}").expect("the built-in template is valid")
+}
+
+fn default_message_id() -> MessageIdTemplate {
+    MessageIdTemplate::parse("{id}").expect("the built-in template is valid")
 }
 
 fn at_most(n: usize, other: &str, limit: usize) -> Result<(), String> {

@@ -29,8 +29,9 @@ use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use time::format_description::well_known::Rfc3339;
 
+use crate::config::Config;
 use crate::domain::{FailureReason, OutboxRow, Payload, Refusal};
-use crate::template::RoutingKey;
+use crate::template::{MessageId, RoutingKey};
 
 /// The relay's `app_id`.
 pub const APP_ID: &str = "outbox-relay";
@@ -60,6 +61,8 @@ const NAME_IN_ERRORS: usize = 64;
 #[derive(Debug, Clone)]
 pub struct Envelope {
     pub routing_key: RoutingKey,
+    /// The `message_id` of the configured table's rows (fits 255 bytes).
+    pub message_id: MessageId,
     /// Checked once, when the publisher is built (configuration allows ≤ 255 bytes).
     pub content_type: ShortString,
     pub max_payload_bytes: usize,
@@ -75,6 +78,28 @@ pub struct Message {
 }
 
 impl Envelope {
+    /// The envelope of `config`'s table and exchange: what the relay and any
+    /// command that sends rows again put around each row.
+    /// Refused (with the key) when a value does not fit AMQP, which
+    /// configuration has already ruled out.
+    pub fn from_config(config: &Config) -> Result<Envelope, String> {
+        let content_type = ShortString::try_new(config.content_type.clone()).map_err(|_| {
+            format!(
+                "content_type is {} bytes; AMQP allows at most 255",
+                config.content_type.len()
+            )
+        })?;
+        Ok(Envelope {
+            routing_key: config.routing_key.clone(),
+            message_id: config
+                .message_id
+                .bind(&config.schema, &config.table)
+                .map_err(|error| format!("message_id {error}"))?,
+            content_type,
+            max_payload_bytes: config.max_payload_bytes,
+        })
+    }
+
     /// The message for `row` of `tenant`, on a connection whose negotiated
     /// frame size is `frame_max`.
     pub fn message(
@@ -136,7 +161,7 @@ impl Envelope {
         }
 
         let properties = BasicProperties::default()
-            .with_message_id(row.id.to_string().into())
+            .with_message_id(self.message_id.render(row.id).into())
             .with_type(kind)
             .with_timestamp(u64::try_from(row.occurred_at.unix_timestamp()).unwrap_or(0))
             .with_delivery_mode(2)
@@ -343,6 +368,7 @@ mod tests {
     fn envelope() -> Envelope {
         Envelope {
             routing_key: RoutingKey::parse("{tenant}.{kind}").unwrap(),
+            message_id: MessageId::plain(),
             content_type: ShortString::from("application/json"),
             max_payload_bytes: 16,
         }
@@ -558,6 +584,26 @@ mod tests {
         assert_eq!(refusal.reason, FailureReason::Invalid);
         assert!(refusal.detail.contains("(131072)"), "{refusal:?}");
         assert!(!refusal.detail.contains("vvvv"), "no header value");
+    }
+
+    #[test]
+    fn the_message_id_is_the_rendered_template_and_nothing_else_changes() {
+        let mut config = crate::config::Config::with_tenants(["acme"]);
+        config.schema = "sales".into();
+        config.message_id =
+            crate::template::MessageIdTemplate::parse("{schema}.{table}:{id}").unwrap();
+        let envelope = Envelope::from_config(&config).unwrap();
+        let r = row(Some("{}"), None);
+        let m = envelope.message("acme", &r, FRAME_MAX).unwrap();
+        assert_eq!(
+            m.properties.message_id().as_ref().unwrap().as_str(),
+            "sales.outbox_message:9007199254740993"
+        );
+        assert_eq!(
+            header(&m, "outbox-id"),
+            Some(&AMQPValue::LongLongInt(9_007_199_254_740_993))
+        );
+        assert_eq!(m.routing_key.as_str(), "acme.order.created");
     }
 
     #[test]

@@ -29,7 +29,8 @@
 //!    the operator's view from the database; [`tail`] prints what the relay
 //!    publishes, as a consumer sees it; [`lifecycle`] brings parked rows back
 //!    (`requeue`), ends them (`discard`) and sends published rows again
-//!    (`replay`).
+//!    (`replay`); [`retention`] deletes rows published longer ago than
+//!    `retention_ms`, in small batches, one relay at a time.
 #![forbid(unsafe_code)]
 
 pub mod backoff;
@@ -45,6 +46,7 @@ pub mod migrate;
 pub mod publisher;
 pub mod redact;
 pub mod relay;
+pub mod retention;
 pub mod scheduler;
 pub mod shutdown;
 pub mod status;
@@ -149,6 +151,12 @@ pub async fn serve(
             scheduler_stop.clone(),
         ))
     });
+    let retention = retention::spawn(
+        &relay.config,
+        &relay.store,
+        &relay.metrics,
+        scheduler_stop.clone(),
+    );
     let scheduler = tokio::spawn({
         let relay = relay.clone();
         async move {
@@ -166,6 +174,9 @@ pub async fn serve(
     let _ = scheduler.await;
     if let Some(wakeup) = wakeup {
         let _ = wakeup.await;
+    }
+    if let Some(retention) = retention {
+        let _ = retention.await;
     }
     stop_rest.fire();
     let _ = broker.await;

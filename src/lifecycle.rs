@@ -35,6 +35,10 @@ pub enum ReplayError {
     },
     #[error("the broker refused a confirm-mode channel: {0}")]
     Channel(#[source] lapin::Error),
+    /// The configuration cannot build a message (checked at load, so only
+    /// for a configuration built in code).
+    #[error("{0}")]
+    Envelope(String),
     /// A row was refused (by the envelope or by the broker): the replay
     /// stopped there. The rows before it were sent and confirmed.
     #[error(
@@ -143,12 +147,7 @@ pub async fn replay(
         .await
         .map_err(ReplayError::Channel)?;
     let frame_max = connection.configuration().frame_max();
-    let envelope = Envelope {
-        routing_key: config.routing_key.clone(),
-        content_type: ShortString::try_new(config.content_type.clone())
-            .unwrap_or_else(|_| ShortString::from("application/octet-stream")),
-        max_payload_bytes: config.max_payload_bytes,
-    };
+    let envelope = Envelope::from_config(config).map_err(ReplayError::Envelope)?;
     let exchange = ShortString::try_new(config.exchange.clone()).unwrap_or_default();
     let mut replayed = Replayed::default();
     let mut after = from.saturating_sub(1);

@@ -72,6 +72,9 @@ pub struct Metrics {
     max_lag: Gauge,
     wakeups: IntCounter,
     wakeup_connected: IntGauge,
+    retention_deleted: IntCounter,
+    settlement_retries: IntCounterVec,
+    resent_rows: IntCounter,
 }
 
 impl Metrics {
@@ -188,6 +191,27 @@ impl Metrics {
             "Whether the wake-up connection is LISTENing (1) or not (0); always 0 with wakeup = poll.",
         )
         .expect("valid metric");
+        let retention_deleted = IntCounter::new(
+            "outbox_retention_deleted_total",
+            "Published (or discarded) rows deleted by retention (retention_ms).",
+        )
+        .expect("valid metric");
+        let settlement_retries = IntCounterVec::new(
+            Opts::new(
+                "outbox_settlement_retries_total",
+                "Settlements that failed after the broker confirmed and were retried in a new transaction, by outcome (marked, gave_up).",
+            ),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        let resent_rows = IntCounter::new(
+            "outbox_resent_rows_total",
+            "Rows the broker confirmed whose marks were lost (settlement and its retries failed): they stay pending and go out again.",
+        )
+        .expect("valid metric");
+        for outcome in ["marked", "gave_up"] {
+            settlement_retries.with_label_values(&[outcome]);
+        }
         let build_info = IntGaugeVec::new(
             Opts::new("outbox_build_info", "The relay's version; always 1."),
             &["version"],
@@ -212,6 +236,9 @@ impl Metrics {
             Arc::new(max_lag.clone()),
             Arc::new(wakeups.clone()),
             Arc::new(wakeup_connected.clone()),
+            Arc::new(retention_deleted.clone()),
+            Arc::new(settlement_retries.clone()),
+            Arc::new(resent_rows.clone()),
             Arc::new(build_info),
         ];
         // The registry is kept only to refuse a name given twice.
@@ -245,6 +272,9 @@ impl Metrics {
             max_lag,
             wakeups,
             wakeup_connected,
+            retention_deleted,
+            settlement_retries,
+            resent_rows,
         }
     }
 
@@ -450,6 +480,19 @@ impl Metrics {
         self.wakeup_connected.set(i64::from(listening));
     }
 
+    /// Retention deleted `rows`.
+    pub fn count_retention_deleted(&self, rows: u64) {
+        self.retention_deleted.inc_by(rows);
+    }
+
+    /// A settlement that failed after the broker confirmed was retried:
+    /// `marked` its rows, or gave up, leaving `resent` rows pending.
+    pub fn settlement_retried(&self, marked: bool, resent: usize) {
+        let outcome = if marked { "marked" } else { "gave_up" };
+        self.settlement_retries.with_label_values(&[outcome]).inc();
+        self.resent_rows.inc_by(resent as u64);
+    }
+
     /// Whether the last poll reached the database (answered, even with an
     /// error).
     pub fn database_is_up(&self) -> bool {
@@ -504,6 +547,9 @@ mod tests {
             "outbox_delivery_delay_seconds_count 0",
             "outbox_wakeups_total 0",
             "outbox_wakeup_connected 0",
+            "outbox_retention_deleted_total 0",
+            "outbox_settlement_retries_total{outcome=\"gave_up\"} 0",
+            "outbox_resent_rows_total 0",
             "outbox_amqp_connected 0",
             "outbox_database_up 0",
             "outbox_max_lag_seconds 0",

@@ -60,6 +60,9 @@ pub enum PublishError {
     /// A configured name does not fit an AMQP short string.
     #[error("{what} is {len} bytes; AMQP allows at most 255")]
     TooLong { what: &'static str, len: usize },
+    /// The configured message templates do not fit AMQP.
+    #[error("{0}")]
+    Envelope(String),
     #[error("not connected to the broker")]
     NotConnected,
     #[error("cannot open a channel: {0}")]
@@ -210,11 +213,7 @@ impl Publisher {
                 exchange: short_string("exchange", &config.exchange)?,
                 exchange_kind,
                 declare_exchange: config.declare_exchange,
-                envelope: Envelope {
-                    routing_key: config.routing_key.clone(),
-                    content_type: short_string("content_type", &config.content_type)?,
-                    max_payload_bytes: config.max_payload_bytes,
-                },
+                envelope: Envelope::from_config(config).map_err(PublishError::Envelope)?,
                 max_in_flight: config.max_in_flight,
                 confirm_timeout: config.confirm_timeout(),
                 session: Mutex::new(None),

@@ -26,6 +26,16 @@ use crate::wakeup::Wakeups;
 /// more speed.
 pub const CHAINED_BATCHES: usize = 4;
 
+/// How often the marks of a settlement that failed after the broker
+/// confirmed are tried again, each on a fresh pooled connection, before the
+/// rows are left pending (and go out again).
+pub const SETTLEMENT_ATTEMPTS: u32 = 5;
+/// The pause before the first retry of a failed settlement; doubled before
+/// each next one.
+const SETTLEMENT_RETRY_PAUSE: Duration = Duration::from_millis(100);
+/// How long the retries of one failed settlement may take in all.
+pub const SETTLEMENT_RETRY_LIMIT: Duration = Duration::from_secs(15);
+
 /// How one sweep of one tenant ended.
 #[derive(Debug)]
 pub enum SweepOutcome {
@@ -243,16 +253,23 @@ impl Relay {
                 let delays = self.delays(claim.rows(), &report);
                 match claim.advance().await {
                     Ok(true) => {
-                        earlier.add(report.confirmed(), delays);
+                        earlier.add(report.confirmed(), delays, &ids(&report, &claim));
                         budget = reserved;
                         budget.keep(claim.cost());
                         continue;
                     }
                     Ok(false) => {}
-                    Err(error) => return SweepOutcome::Failed(error.into()),
+                    Err(error) => {
+                        // Every row of this batch was confirmed, and those
+                        // before it in the transaction.
+                        earlier.add(report.confirmed(), Vec::new(), &ids(&report, &claim));
+                        drop(claim);
+                        return self.settle_again(tenant, earlier, error).await;
+                    }
                 }
             }
             // Settle: mark the confirmed prefix, record a refusal, commit.
+            let confirmed_ids = ids(&report, &claim);
             let settled = claim.settle(&report).await;
             tracing::debug!(
                 tenant,
@@ -265,10 +282,89 @@ impl Relay {
             drop(budget);
             return match settled {
                 Ok(settled) => self.settled(tenant, settled, full, report, earlier),
-                // Confirmed but not marked: these rows go out again (at least once).
-                Err(error) => SweepOutcome::Failed(error.into()),
+                Err(error) => {
+                    earlier.add(report.confirmed(), Vec::new(), &confirmed_ids);
+                    self.settle_again(tenant, earlier, error).await
+                }
             };
         }
+    }
+
+    /// After the claim's marks or commit failed (a commit error, a lost
+    /// connection) once the broker had confirmed rows: marks those rows in
+    /// a new transaction on a fresh pooled connection, a few times with a
+    /// growing pause, within [`SETTLEMENT_RETRY_LIMIT`], so that a short
+    /// database blip does not send a whole confirmed batch again. Given up,
+    /// the rows stay pending and go out again (at least once).
+    ///
+    /// The tenant's claim went with the failed transaction, and another
+    /// relay may hold the tenant by now; marking without the claim is still
+    /// correct: the rows are exactly what the broker confirmed, in order
+    /// from the tenant's lowest pending row, so consumers have them; the
+    /// mark only sets `published_at` where it is still NULL (a row marked
+    /// already keeps its time), and a relay that read them meanwhile sends
+    /// them again at worst, a duplicate at-least-once allows. The refusal
+    /// record of the failed transaction, if any, is not written: the row
+    /// stays pending and is refused again.
+    async fn settle_again(
+        &self,
+        tenant: &str,
+        confirmed: Earlier,
+        error: StoreError,
+    ) -> SweepOutcome {
+        if confirmed.ids.is_empty() {
+            return SweepOutcome::Failed(error.into());
+        }
+        let retries = async {
+            let mut pause = SETTLEMENT_RETRY_PAUSE;
+            let mut attempt = 1;
+            loop {
+                tokio::time::sleep(pause).await;
+                match self.store.mark_confirmed(&confirmed.ids).await {
+                    Ok(_) => return Ok(attempt),
+                    Err(error) if attempt >= SETTLEMENT_ATTEMPTS => return Err(error),
+                    Err(error) => {
+                        tracing::debug!(tenant, attempt, %error, "settlement retry failed");
+                    }
+                }
+                attempt += 1;
+                pause *= 2;
+            }
+        };
+        let rows = confirmed.ids.len();
+        match tokio::time::timeout(SETTLEMENT_RETRY_LIMIT, retries).await {
+            Ok(Ok(attempts)) => {
+                tracing::warn!(
+                    tenant,
+                    rows,
+                    attempts,
+                    %error,
+                    "settlement failed after the broker confirmed; marked the confirmed rows in a new transaction"
+                );
+                self.metrics.settlement_retried(true, 0);
+                self.metrics.count_published(tenant, rows);
+            }
+            Ok(Err(retry)) => {
+                tracing::warn!(
+                    tenant,
+                    rows,
+                    %error,
+                    retry = %retry,
+                    "settlement failed after the broker confirmed and could not be retried; the rows go out again"
+                );
+                self.metrics.settlement_retried(false, rows);
+            }
+            Err(_) => {
+                tracing::warn!(
+                    tenant,
+                    rows,
+                    %error,
+                    "settlement failed after the broker confirmed and its retries ran out of time; the rows go out again"
+                );
+                self.metrics.settlement_retried(false, rows);
+            }
+        }
+        SweepOutcome::Failed(error.into())
     }
 
     /// Reads the next batch ahead when this one is full and may be followed
@@ -366,6 +462,14 @@ impl Relay {
     }
 }
 
+/// The ids of the batch's confirmed prefix.
+fn ids(report: &BatchReport, claim: &Claim) -> Vec<i64> {
+    claim.rows()[..report.confirmed().min(claim.rows().len())]
+        .iter()
+        .map(|row| row.id)
+        .collect()
+}
+
 /// The batches a sweep published before its last, in the same transaction:
 /// counted only once it commits.
 #[derive(Debug, Default)]
@@ -373,13 +477,16 @@ struct Earlier {
     batches: usize,
     published: usize,
     delays: Vec<Duration>,
+    /// Their ids, marked again should the commit fail.
+    ids: Vec<i64>,
 }
 
 impl Earlier {
-    fn add(&mut self, published: usize, delays: Vec<Duration>) {
+    fn add(&mut self, published: usize, delays: Vec<Duration>, ids: &[i64]) {
         self.batches += 1;
         self.published += published;
         self.delays.extend(delays);
+        self.ids.extend_from_slice(ids);
     }
 }
 

@@ -613,6 +613,13 @@ impl Store {
         }
     }
 
+    /// Whether a caller waits for a pooled connection, or would have to:
+    /// work that can wait (retention) leaves the pool to the sweeps then.
+    pub fn pool_is_busy(&self) -> bool {
+        let status = self.pool.status();
+        status.waiting > 0 || (status.available == 0 && status.size >= status.max_size)
+    }
+
     /// A pooled connection, within [`POOL_WAIT_TIMEOUT`].
     pub async fn connection(&self) -> Result<Object, StoreError> {
         self.pool.get().await.map_err(StoreError::Pool)
@@ -735,6 +742,23 @@ impl Store {
             batch.rows.push(decode(&row, self.max_payload_bytes)?);
         }
         Ok(batch)
+    }
+
+    /// Marks rows the broker confirmed whose claim ended without its commit
+    /// (see `relay`'s settlement retry): one statement, a transaction of its
+    /// own, on a pooled connection (never the claim's, which is gone); the
+    /// rows it marked. Idempotent: a row marked already keeps its time.
+    pub async fn mark_confirmed(&self, ids: &[i64]) -> Result<u64, StoreError> {
+        let conn = self.connection().await?;
+        let result = deadline(
+            "marking confirmed rows again",
+            update_ids(&conn, &self.statements().mark_published, ids),
+        )
+        .await;
+        if result.is_err() {
+            drop(Object::take(conn));
+        }
+        self.dropping_idle_if_read_only(result)
     }
 
     /// The configured tenants' lag, one statement.

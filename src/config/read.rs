@@ -9,7 +9,7 @@ use figment::value::Value;
 
 use super::target::{AmqpTarget, DatabaseTarget};
 use super::{LogFormat, Tenants, Wakeup};
-use crate::template::RoutingKey;
+use crate::template::{MessageIdTemplate, RoutingKey};
 
 /// Why a value was refused: what to show of it and what is allowed.
 #[derive(Debug)]
@@ -284,7 +284,14 @@ macro_rules! rendered_as_text {
     )*};
 }
 // The targets display with their passwords masked.
-rendered_as_text!(String, SocketAddr, RoutingKey, DatabaseTarget, AmqpTarget);
+rendered_as_text!(
+    String,
+    SocketAddr,
+    RoutingKey,
+    MessageIdTemplate,
+    DatabaseTarget,
+    AmqpTarget
+);
 
 impl Render for LogFormat {
     fn render(&self) -> String {

@@ -78,6 +78,9 @@ fn run(env: &[(&str, &str)], args: &[&str]) -> (Option<i32>, String, String) {
 /// Environment, arguments, and the text stderr must contain.
 type Case<'a> = (Vec<(&'a str, &'a str)>, Vec<&'a str>, &'a str);
 
+/// A schema name of 63 bytes, PostgreSQL's longest.
+const LONGEST_SCHEMA: &str = "sssssssssssssssssssssssssssssssssssssssssssssssssssssssssssssss";
+
 #[test]
 fn each_configuration_error_exits_2_naming_key_and_source_before_connecting() {
     let wires = Tripwires::new();
@@ -161,6 +164,36 @@ fn each_configuration_error_exits_2_naming_key_and_source_before_connecting() {
             vec![("OUTBOX_TENANTS", "a")],
             vec!["--log-format", "xml"],
             "log_format = xml (command-line flag --log-format)",
+        ),
+        (
+            vec![
+                ("OUTBOX_TENANTS", "a"),
+                ("OUTBOX_MESSAGE_ID", "{tenant}:{id}"),
+            ],
+            vec![],
+            "message_id = {tenant}:{id} (environment variable OUTBOX_MESSAGE_ID): unknown placeholder {tenant}; known: {id}, {schema}, {table}",
+        ),
+        (
+            vec![("OUTBOX_TENANTS", "a")],
+            vec!["--message-id", "{schema}.{id"],
+            "message_id = {schema}.{id (command-line flag --message-id): unclosed '{'",
+        ),
+        (
+            vec![
+                ("OUTBOX_TENANTS", "a"),
+                (
+                    "OUTBOX_MESSAGE_ID",
+                    "{schema}.{schema}.{schema}.{schema}:{id}",
+                ),
+                ("OUTBOX_SCHEMA", LONGEST_SCHEMA),
+            ],
+            vec![],
+            "(environment variable OUTBOX_MESSAGE_ID): makes message_ids of up to 276 bytes",
+        ),
+        (
+            vec![("OUTBOX_TENANTS", "a"), ("OUTBOX_RETENTION_MS", "-5")],
+            vec![],
+            "retention_ms = -5 (environment variable OUTBOX_RETENTION_MS)",
         ),
     ];
     for (env, args, expected) in cases {

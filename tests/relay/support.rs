@@ -387,12 +387,25 @@ impl Broker {
         tokio::spawn(async move {
             let _keep = consumer_channel;
             while let Some(Ok(delivery)) = consumer.next().await {
+                // The row's id: the message_id (the default template), else
+                // the `outbox-id` header (a message_id template of its own).
+                let header_id = || match delivery
+                    .properties
+                    .headers()
+                    .as_ref()?
+                    .inner()
+                    .get("outbox-id")
+                {
+                    Some(AMQPValue::LongLongInt(id)) => Some(*id),
+                    _ => None,
+                };
                 let id = delivery
                     .properties
                     .message_id()
                     .as_ref()
                     .and_then(|m| m.as_str().parse().ok())
-                    .expect("every message has a numeric message_id");
+                    .or_else(header_id)
+                    .expect("every message has a numeric message_id or an outbox-id header");
                 received.lock().unwrap().push(Received {
                     id,
                     routing_key: delivery.routing_key.as_str().to_string(),

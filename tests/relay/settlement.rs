@@ -1,0 +1,120 @@
+//! Settlement that survives a database blip, and the `message_id` template.
+
+use std::time::Duration;
+
+use lapin::types::AMQPValue;
+use outbox_relay::template::MessageIdTemplate;
+
+use crate::support::{Broker, Outbox, config, eventually, metric, pg_client, start_relay};
+
+/// The broker confirmed a whole batch, then the sweep's backend is
+/// terminated before its marks commit: the relay marks the confirmed rows
+/// again on a new connection, so the consumer gets each row once, not the
+/// batch twice. The marks are held back deterministically: the test holds
+/// the rows' locks until it has terminated the backend waiting on them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settlement_retried_across_a_terminated_backend() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let ids = outbox.insert_many("a", 50).await;
+    let holder = pg_client().await;
+    holder.batch_execute("BEGIN").await.unwrap();
+    holder
+        .query(
+            &format!(
+                "SELECT id FROM {} WHERE tenant_id = 'a' FOR UPDATE",
+                outbox.qualified()
+            ),
+            &[],
+        )
+        .await
+        .expect("lock the rows");
+
+    let mut config = config(&outbox, &broker, &["a"]);
+    config.batch_size = 100;
+    let relay = start_relay(config).await;
+    eventually(
+        "the broker confirmed the batch",
+        Duration::from_secs(20),
+        || async { broker.count() == ids.len() },
+    )
+    .await;
+    let admin = pg_client().await;
+    let marks = format!("%{}%SET published_at = COALESCE%", outbox.schema);
+    eventually(
+        "the sweep's backend, waiting to mark, is terminated",
+        Duration::from_secs(10),
+        || async {
+            let rows = admin
+                .query(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+                     WHERE wait_event_type = 'Lock' AND query LIKE $1 AND pid <> pg_backend_pid()",
+                    &[&marks],
+                )
+                .await
+                .unwrap();
+            rows.iter().any(|row| row.get::<_, bool>(0))
+        },
+    )
+    .await;
+    holder.batch_execute("ROLLBACK").await.unwrap();
+
+    eventually(
+        "the confirmed rows are marked",
+        Duration::from_secs(20),
+        || async { outbox.pending("a").await == 0 },
+    )
+    .await;
+    // Rows are sent only while pending: nothing more can arrive.
+    let received: Vec<i64> = broker.received().iter().map(|m| m.id).collect();
+    assert_eq!(
+        received, ids,
+        "each row once, in order: the batch was not sent again"
+    );
+    let metrics = relay.get("/metrics").await.1;
+    assert_eq!(
+        metric(
+            &metrics,
+            "outbox_settlement_retries_total{outcome=\"marked\"}"
+        ),
+        Some(1.0),
+        "{metrics}"
+    );
+    assert_eq!(metric(&metrics, "outbox_resent_rows_total"), Some(0.0));
+    assert_eq!(
+        metric(&metrics, "outbox_published_total{tenant=\"a\"}"),
+        Some(ids.len() as f64)
+    );
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+/// The `message_id` property is the rendered template; the `outbox-id`
+/// header stays the row's numeric id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn message_id_is_the_rendered_template() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let ids = outbox.insert_many("a", 3).await;
+    let mut config = config(&outbox, &broker, &["a"]);
+    config.message_id = MessageIdTemplate::parse("{schema}.{table}:{id}").unwrap();
+    let relay = start_relay(config).await;
+    eventually("the rows arrive", Duration::from_secs(20), || async {
+        broker.count() == ids.len()
+    })
+    .await;
+    for (message, id) in broker.received().iter().zip(&ids) {
+        assert_eq!(
+            message.properties.message_id().as_ref().map(|m| m.as_str()),
+            Some(format!("{}.outbox_message:{id}", outbox.schema).as_str())
+        );
+        assert_eq!(
+            message.header("outbox-id"),
+            Some(&AMQPValue::LongLongInt(*id))
+        );
+    }
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
