@@ -228,15 +228,10 @@ async fn status(config: Config, json: bool, wide: bool) -> ExitCode {
             Err(error @ store::StoreError::PayloadColumn { .. }) => Some(error),
             Err(error) => return Err(error.into()),
         };
-        // Discovered tenants: those with pending rows.
+        // Discovered tenants: those with pending or parked rows.
         let names: Vec<String> = match &config.tenants {
             Tenants::Listed(names) => names.clone(),
-            Tenants::Discovered => store
-                .pending_lag()
-                .await?
-                .into_iter()
-                .map(|t| t.tenant)
-                .collect(),
+            Tenants::Discovered => store.tenants_with_rows().await?,
         };
         let tenants = store.tenant_status(&names).await?;
         Ok::<_, anyhow::Error>((

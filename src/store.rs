@@ -794,6 +794,21 @@ impl Store {
             .collect())
     }
 
+    /// The tenants with pending or parked rows, in name order, for
+    /// `status` with `tenants = "*"`: the poll's statement, one round trip.
+    pub async fn tenants_with_rows(&self) -> Result<Vec<String>, StoreError> {
+        let polled = self.pending_tenants("").await?;
+        let mut names: Vec<String> = polled
+            .pending
+            .into_iter()
+            .map(|p| p.tenant)
+            .chain(polled.parked.into_iter().map(|(tenant, _)| tenant))
+            .collect();
+        names.sort_unstable();
+        names.dedup();
+        Ok(names)
+    }
+
     /// The lag of the tenants the relay relays: the configured ones, or
     /// every one with pending rows.
     pub async fn relayed_lag(&self, tenants: &Tenants) -> Result<Vec<TenantLag>, StoreError> {

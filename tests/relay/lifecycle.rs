@@ -151,6 +151,14 @@ async fn a_poison_row_is_parked_after_n_attempts_and_its_tenant_goes_on() {
     assert_eq!(report["tenants"][1]["parked"], 0, "{out}");
     let (_, table, _) = cli(&outbox, &broker, &["status", "--tenants", "poisoned"]);
     assert!(table.contains("1 parked row(s)"), "{table}");
+    // With discovered tenants, a tenant whose only rows are parked is shown.
+    let (code, out, err) = cli(&outbox, &broker, &["status", "--json", "--tenants", "*"]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let tenants = report["tenants"].as_array().expect("tenants");
+    assert_eq!(tenants.len(), 1, "{out}");
+    assert_eq!(tenants[0]["tenant"], "poisoned", "{out}");
+    assert_eq!(tenants[0]["parked"], 1, "{out}");
 
     // The gauge comes from the database: a fresh relay reports it too.
     let relay = start_relay(config).await;
