@@ -19,7 +19,7 @@ use tokio_postgres::{Client, NoTls};
 
 use crate::proxy::{Mode, Proxy};
 use crate::support::{
-    Broker, Outbox, as_postgres, by_tenant, config, eventually, free_port, postgres_bin,
+    Broker, Outbox, as_postgres, by_tenant, config, eventually, free_port, initdb, postgres_bin,
     relay_command, start_relay,
 };
 
@@ -48,24 +48,7 @@ fn cluster() -> &'static Cluster {
         let base = dir.display().to_string();
         let data = format!("{base}/data");
         let bin = postgres_bin();
-        let initdb = bin.join("initdb").display().to_string();
-        let output = as_postgres(&[
-            &initdb,
-            "-D",
-            &data,
-            "-U",
-            "postgres",
-            "-A",
-            "trust",
-            "--no-sync",
-        ])
-        .output()
-        .expect("initdb runs");
-        assert!(
-            output.status.success(),
-            "initdb: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
+        initdb(&data);
         let port = free_port();
         let postgres = bin.join("postgres").display().to_string();
         let script = r#"

@@ -6,7 +6,7 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::types::AMQPValue;
 use serde_json::json;
 
 use crate::proxy::{Mode, Proxy};
@@ -178,18 +178,6 @@ async fn a_poison_row_is_parked_after_n_attempts_and_its_tenant_goes_on() {
     outbox.drop_schema().await;
 }
 
-/// A queue bound to `key` that holds `length` messages and then rejects
-/// publishes, which the broker nacks.
-async fn capped_queue(broker: &Broker, key: &str, length: i32) -> String {
-    let mut arguments = FieldTable::default();
-    arguments.insert("x-max-length".into(), AMQPValue::LongInt(length));
-    arguments.insert(
-        "x-overflow".into(),
-        AMQPValue::LongString(LongString::from("reject-publish")),
-    );
-    broker.side_queue(key, arguments).await
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_brokers_trouble_parks_nothing_even_at_one_attempt() {
     let outbox = Outbox::create().await;
@@ -206,7 +194,7 @@ async fn the_brokers_trouble_parks_nothing_even_at_one_attempt() {
     config.park_after_attempts = 1;
     config.max_backoff_ms = 100;
     config.confirm_timeout_ms = 500;
-    let capped = capped_queue(&broker, "nacked.#", 1).await;
+    let capped = broker.capped_queue("nacked.#", 1).await;
     let ids = outbox.insert_many("nacked", 5).await;
     let relay = start_relay(config).await;
 

@@ -10,25 +10,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lapin::types::{AMQPValue, FieldTable, LongString};
 use serde_json::json;
 
 use crate::support::{
     Broker, Outbox, RelayHandle, RowState, by_tenant, config, eventually, http_get, metric,
     relay_env, set_env, spawn_relay, start_relay,
 };
-
-/// A queue bound to `key` that holds `length` messages and then rejects
-/// publishes, which the broker nacks. Returns its name.
-async fn capped_queue(broker: &Broker, key: &str, length: i32) -> String {
-    let mut arguments = FieldTable::default();
-    arguments.insert("x-max-length".into(), AMQPValue::LongInt(length));
-    arguments.insert(
-        "x-overflow".into(),
-        AMQPValue::LongString(LongString::from("reject-publish")),
-    );
-    broker.side_queue(key, arguments).await
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unroutable_row_stops_only_its_tenant_and_goes_out_once_a_queue_is_bound() {
@@ -226,7 +213,7 @@ struct Nacking {
 async fn nacking(tenant: &str, rows: i64, capacity: i32, max_in_flight: usize) -> Nacking {
     let outbox = Outbox::create().await;
     let broker = Broker::create(&[]).await;
-    let capped = capped_queue(&broker, &format!("{tenant}.#"), capacity).await;
+    let capped = broker.capped_queue(&format!("{tenant}.#"), capacity).await;
     let ids = outbox.insert_many(tenant, rows).await;
     let mut config = config(&outbox, &broker, &[tenant]);
     config.batch_size = 256;
@@ -1158,7 +1145,7 @@ async fn a_body_over_the_brokers_max_message_size_is_found_alone_after_one_incid
 async fn a_nacked_row_is_retried_alone_so_no_window_is_sent_again_per_retry() {
     let outbox = Outbox::create().await;
     let broker = Broker::create(&["nacked.#"]).await;
-    capped_queue(&broker, "nacked.#", 3).await;
+    broker.capped_queue("nacked.#", 3).await;
     let ids = outbox.insert_many("nacked", 300).await;
     let mut config = config(&outbox, &broker, &["nacked"]);
     config.batch_size = 256;

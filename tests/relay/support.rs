@@ -461,6 +461,18 @@ impl Broker {
             .expect("declare the exchange");
     }
 
+    /// A queue bound to `key` that holds `length` messages and then rejects
+    /// publishes, which the broker nacks. Returns its name.
+    pub async fn capped_queue(&self, key: &str, length: i32) -> String {
+        let mut arguments = FieldTable::default();
+        arguments.insert("x-max-length".into(), AMQPValue::LongInt(length));
+        arguments.insert(
+            "x-overflow".into(),
+            AMQPValue::LongString("reject-publish".into()),
+        );
+        self.side_queue(key, arguments).await
+    }
+
     /// Declares another queue (no consumer) with `arguments`, bound to `key`.
     pub async fn side_queue(&self, key: &str, arguments: FieldTable) -> String {
         let name = unique("side");
@@ -832,6 +844,29 @@ pub fn postgres_bin() -> PathBuf {
         .collect();
     versions.sort();
     versions.pop().expect("a PostgreSQL version").join("bin")
+}
+
+/// Creates a cluster's data directory `data` with the machine's `initdb`,
+/// as user postgres, trust authentication (for the tests' own clusters).
+pub fn initdb(data: &str) {
+    let initdb = postgres_bin().join("initdb").display().to_string();
+    let output = as_postgres(&[
+        &initdb,
+        "-D",
+        data,
+        "-U",
+        "postgres",
+        "-A",
+        "trust",
+        "--no-sync",
+    ])
+    .output()
+    .expect("initdb runs");
+    assert!(
+        output.status.success(),
+        "initdb: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
 
 /// A command run as the `postgres` user (initdb refuses root).

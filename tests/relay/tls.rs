@@ -20,7 +20,7 @@ use tokio_postgres::NoTls;
 use tokio_rustls::rustls;
 
 use crate::support::{
-    self, Broker, Outbox, as_postgres, eventually, free_port, http_get, postgres_bin,
+    self, Broker, Outbox, as_postgres, eventually, free_port, http_get, initdb, postgres_bin,
     relay_command, relay_env, set_env, spawn_relay, start_relay, unique,
 };
 
@@ -173,24 +173,7 @@ fn cluster() -> &'static Cluster {
         let data = base.join("data").display().to_string();
         let socket_dir = base.display().to_string();
         let bin = postgres_bin();
-        let initdb = bin.join("initdb").display().to_string();
-        let output = as_postgres(&[
-            &initdb,
-            "-D",
-            &data,
-            "-U",
-            "postgres",
-            "-A",
-            "trust",
-            "--no-sync",
-        ])
-        .output()
-        .expect("initdb runs");
-        assert!(
-            output.status.success(),
-            "initdb: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
+        initdb(&data);
         std::fs::write(
             format!("{data}/pg_hba.conf"),
             "local all all trust\n\
