@@ -58,7 +58,11 @@
 //! gives each sweep's claim, publish and settle times), BENCH_VERBOSE (per run: rates, CPU
 //! per message of RabbitMQ, PostgreSQL and the relays, sweeps by outcome,
 //! arrival timeline), BENCH_WRAP (a command the relay runs under,
-//! e.g. `valgrind --tool=callgrind`), plus OUTBOX_BATCH_SIZE,
+//! e.g. `valgrind --tool=callgrind`), BENCH_RELAY_BIN (another build of the
+//! relay to run instead of this one, with its own migrations: A/B against an
+//! earlier commit), BENCH_SCALE (the scale scenario's parts: drain, memory,
+//! trickle), BENCH_SCALE_RELAYS (its replica counts, `1,3,6`),
+//! BENCH_SCALE_LISTED (list the 10,000 names instead of `*`), plus OUTBOX_BATCH_SIZE,
 //! OUTBOX_MAX_IN_FLIGHT, OUTBOX_CONCURRENCY, OUTBOX_POLL_MS passed to the
 //! relays. Results: a table on stdout and `target/bench-relay.json`.
 
@@ -215,9 +219,36 @@ struct Table {
     client: tokio_postgres::Client,
 }
 
+/// The relay binary the benchmark runs: this build's, or BENCH_RELAY_BIN
+/// (another build, e.g. an earlier commit's, to compare the two on the same
+/// machine in the same hour).
+fn relay_binary() -> String {
+    std::env::var("BENCH_RELAY_BIN")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_outbox-relay").to_string())
+}
+
 impl Table {
     async fn create() -> Table {
         let schema = unique("b");
+        if let Ok(binary) = std::env::var("BENCH_RELAY_BIN") {
+            // That build's own migrations, so its statements meet the
+            // indexes they were written for.
+            let status = Command::new(binary)
+                .arg("migrate")
+                .env("OUTBOX_TENANTS", "bench")
+                .env("OUTBOX_DATABASE_URL", DATABASE_URL)
+                .env("OUTBOX_AMQP_URL", AMQP_URL)
+                .env("OUTBOX_SCHEMA", &schema)
+                .env("OUTBOX_EXCHANGE", "bench")
+                .env("OUTBOX_LOG", "warn")
+                .status()
+                .expect("the relay binary runs");
+            assert!(status.success(), "migrate with BENCH_RELAY_BIN");
+            return Table {
+                schema,
+                client: pg(DATABASE_URL).await,
+            };
+        }
         let mut config = Config::with_tenants(["bench"]);
         config.database_url = DATABASE_URL.parse().expect("database url");
         config.schema = schema.clone();
@@ -694,7 +725,7 @@ impl RelayProcess {
         http_addr: &str,
         settings: &[(&str, String)],
     ) -> RelayProcess {
-        let binary = env!("CARGO_BIN_EXE_outbox-relay");
+        let binary = relay_binary();
         // BENCH_WRAP runs the relay under another program, e.g.
         // `valgrind --tool=callgrind` to count its instructions per message.
         let wrap = std::env::var("BENCH_WRAP").unwrap_or_default();
@@ -1597,9 +1628,16 @@ async fn scale_drain(rows: u64, relays: usize) -> ScaleRun {
         .map(|i| format!("127.0.0.1:{}", 19_500 + i))
         .collect();
     let services_before = service_cpu();
+    // BENCH_SCALE_LISTED=1 lists the 10,000 names instead of "*" (for builds
+    // that predate discovery).
+    let tenants: Vec<String> = if std::env::var_os("BENCH_SCALE_LISTED").is_some() {
+        hot.iter().chain(&cold).cloned().collect()
+    } else {
+        vec!["*".to_string()]
+    };
     let processes: Vec<RelayProcess> = addrs
         .iter()
-        .map(|addr| RelayProcess::spawn_on(&table, &exchange, &["*".to_string()], addr))
+        .map(|addr| RelayProcess::spawn_on(&table, &exchange, &tenants, addr))
         .collect();
     let arrived = exchange
         .wait_for(rows as usize, Duration::from_secs(600))
@@ -1729,7 +1767,14 @@ async fn scale_trickle(duration: Duration, wakeup: &str) -> Vec<f64> {
 /// are shared by the broker, the database and the relays: differences
 /// under about 15 % are within the run-to-run spread.
 async fn scale(report: &mut Report, knobs: &Knobs) {
-    for relays in [1, 3, 6] {
+    let parts = std::env::var("BENCH_SCALE").unwrap_or_else(|_| "drain,memory,trickle".into());
+    let wants = |part: &str| parts.split(',').any(|p| p.trim() == part);
+    let replicas: Vec<usize> = std::env::var("BENCH_SCALE_RELAYS")
+        .unwrap_or_else(|_| "1,3,6".into())
+        .split(',')
+        .map(|n| n.trim().parse().expect("BENCH_SCALE_RELAYS: numbers"))
+        .collect();
+    for &relays in replicas.iter().filter(|_| wants("drain")) {
         let mut runs = Vec::new();
         for _ in 0..knobs.runs {
             runs.push(scale_drain(knobs.rows, relays).await);
@@ -1770,6 +1815,15 @@ async fn scale(report: &mut Report, knobs: &Knobs) {
             None,
         );
     }
+    if wants("memory") {
+        scale_memory_figures(report).await;
+    }
+    if wants("trickle") {
+        scale_trickle_figures(report, knobs).await;
+    }
+}
+
+async fn scale_memory_figures(report: &mut Report) {
     let (idle, scraped) = scale_memory().await;
     report.add(
         "scale 10000 listed tenants: peak RSS idle",
@@ -1785,6 +1839,9 @@ async fn scale(report: &mut Report, knobs: &Knobs) {
         },
         None,
     );
+}
+
+async fn scale_trickle_figures(report: &mut Report, knobs: &Knobs) {
     for wakeup in ["poll", "notify"] {
         let mut p99s = Vec::new();
         for _ in 0..knobs.runs {

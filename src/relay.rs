@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime};
 use tokio::time::Instant;
 
 use crate::budget::{ByteBudget, Reservation};
-use crate::config::Config;
+use crate::config::{Config, Wakeup};
 use crate::domain::{BatchReport, FailureReason, OutboxRow, Outcome, Refusal};
 use crate::lag::LagTracker;
 use crate::metrics::Metrics;
@@ -160,9 +160,15 @@ impl Relay {
         } else {
             Metrics::new()
         };
-        let store = Store::new(&config)?;
+        let wakeups = Arc::new(Wakeups::new(&config));
+        // Without LISTEN connections, the replicas know each other by their
+        // pools' sessions.
+        let name = (config.wakeup == Wakeup::Poll).then(|| wakeups.application_name());
+        let store = Store::named(&config, name)?;
         let publisher = Publisher::new(&config)?;
-        Ok(Relay::new(config, store, publisher, metrics))
+        let mut relay = Relay::new(config, store, publisher, metrics);
+        relay.wakeups = wakeups;
+        Ok(relay)
     }
 
     /// How long ago the scheduler last turned.

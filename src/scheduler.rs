@@ -69,6 +69,10 @@ pub struct Schedule {
     failures: Vec<u32>,
     /// Notified while running: swept once more when the running sweep ends.
     follow_up: Vec<bool>,
+    /// When each tenant last joined a ready queue, counted in enqueues.
+    enqueued: Vec<u64>,
+    /// Enqueues so far.
+    queued: u64,
     fresh: VecDeque<usize>,
     busy: VecDeque<usize>,
     /// The next sweep started goes to `busy` (when both queues hold tenants).
@@ -90,6 +94,8 @@ impl Schedule {
             states: Vec::new(),
             failures: Vec::new(),
             follow_up: Vec::new(),
+            enqueued: Vec::new(),
+            queued: 0,
             fresh: VecDeque::new(),
             busy: VecDeque::new(),
             busy_turn: false,
@@ -121,6 +127,7 @@ impl Schedule {
         self.states.push(State::Idle);
         self.failures.push(0);
         self.follow_up.push(false);
+        self.enqueued.push(0);
         i
     }
 
@@ -138,24 +145,86 @@ impl Schedule {
         }
     }
 
-    /// The poll found rows pending for these tenants. They join the ready
-    /// queue starting at `offset` in the poll's order (and wrapping), so
-    /// replicas that see the same list do not all reach for the same tenant first.
-    pub fn pending<'a>(&mut self, tenants: impl IntoIterator<Item = &'a str>, offset: usize) {
-        let tenants: Vec<&str> = tenants.into_iter().collect();
-        let start = if tenants.is_empty() {
-            0
-        } else {
-            offset % tenants.len()
-        };
-        for name in tenants[start..].iter().chain(&tenants[..start]).copied() {
+    /// The poll found rows pending for these tenants, each with its lowest
+    /// pending id. The idle ones join the ready queue oldest first: the
+    /// tenant whose row has waited longest goes first, and in a backlog (an
+    /// outage, a relay that was down) the tenants that write most are those
+    /// whose first pending row is oldest, so they reach the busy queue in the
+    /// first sweeps, not behind every tenant with a row or two.
+    pub fn pending<'a>(&mut self, tenants: impl IntoIterator<Item = (&'a str, i64)>) {
+        self.enqueue(tenants, false);
+    }
+
+    /// Tenants another replica owns but has not swept for a while (see
+    /// [`TAKEOVER_POLLS`]): queued after this relay's own, newest first. The
+    /// owner works through its queue oldest first, so the two meet in the
+    /// middle instead of sweeping the same tenants twice.
+    pub fn taken_over<'a>(&mut self, tenants: impl IntoIterator<Item = (&'a str, i64)>) {
+        self.enqueue(tenants, true);
+    }
+
+    fn enqueue<'a>(
+        &mut self,
+        tenants: impl IntoIterator<Item = (&'a str, i64)>,
+        newest_first: bool,
+    ) {
+        let mut tenants: Vec<(&str, i64)> = tenants.into_iter().collect();
+        tenants.sort_by_key(|&(_, oldest)| oldest);
+        if newest_first {
+            tenants.reverse();
+        }
+        for (name, _) in tenants {
             if let Some(i) = self.tenant(name)
                 && self.states[i] == State::Idle
             {
                 self.states[i] = State::Ready;
-                self.fresh.push_back(i);
+                self.push_fresh(i);
             }
         }
+    }
+
+    /// Where the queues stand: a poll started now knows of every tenant
+    /// queued before this mark (see [`Schedule::settle`]).
+    pub fn mark(&self) -> u64 {
+        self.queued
+    }
+
+    /// A poll that started at `mark` answered: a tenant queued before the mark
+    /// stays queued only if `keep` says so (the poll found rows pending for
+    /// it, and this relay is to sweep it); the others go back to idle. So a
+    /// tenant another replica emptied, or one that a change of replicas gave
+    /// to another, is not swept for nothing. Tenants queued after the mark
+    /// (a notification, a sweep that ended) stay: the poll may have read
+    /// the table before their rows were committed.
+    pub fn settle(&mut self, mark: u64, keep: impl Fn(usize) -> bool) {
+        let Schedule {
+            states,
+            enqueued,
+            fresh,
+            busy,
+            ..
+        } = self;
+        for queue in [fresh, busy] {
+            queue.retain(|&i| {
+                let stays = enqueued[i] >= mark || keep(i);
+                if !stays {
+                    states[i] = State::Idle;
+                }
+                stays
+            });
+        }
+    }
+
+    fn push_fresh(&mut self, tenant: usize) {
+        self.enqueued[tenant] = self.queued;
+        self.queued += 1;
+        self.fresh.push_back(tenant);
+    }
+
+    fn push_busy(&mut self, tenant: usize) {
+        self.enqueued[tenant] = self.queued;
+        self.queued += 1;
+        self.busy.push_back(tenant);
     }
 
     /// A notification named `tenant`: an idle one is ready at once; a
@@ -166,7 +235,7 @@ impl Schedule {
         match self.states[tenant] {
             State::Idle => {
                 self.states[tenant] = State::Ready;
-                self.fresh.push_back(tenant);
+                self.push_fresh(tenant);
                 true
             }
             State::Running => !std::mem::replace(&mut self.follow_up[tenant], true),
@@ -183,7 +252,7 @@ impl Schedule {
         {
             self.backing_off.pop_first();
             self.states[i] = State::Ready;
-            self.fresh.push_back(i);
+            self.push_fresh(i);
             woken.push(i);
         }
         woken
@@ -215,7 +284,7 @@ impl Schedule {
             Outcome::Published => {
                 self.failures[tenant] = 0;
                 self.states[tenant] = State::Ready;
-                self.busy.push_back(tenant);
+                self.push_busy(tenant);
                 Duration::ZERO
             }
             Outcome::Idle | Outcome::Skipped => {
@@ -276,28 +345,39 @@ impl Schedule {
     }
 }
 
-/// With several replicas (`wakeup = notify`: they know each other, see
+/// With several replicas (they know each other by their sessions' names, see
 /// `wakeup`), a replica sweeps at once, from the poll, only the pending
 /// tenants it owns; it takes a tenant another replica owns when this many
 /// polls in a row have found the same lowest pending id for it (its owner is
 /// gone, or is behind) ...
 pub const TAKEOVER_POLLS: u32 = 10;
-/// ... or already when this many have, and it has nothing of its own queued.
-/// So no replica re-sweeps tenants another one emptied, an idle replica
-/// helps a busy one within two polls, and a dead replica's tenants move
-/// within [`TAKEOVER_POLLS`] polls at the latest (sooner: at the first poll
-/// after its LISTEN session ends, when it is no longer a member).
+/// ... or already when this many have, it has nothing of its own queued, and
+/// it is the tenant's successor (the replica that would own it next: each of
+/// the owner's tenants has its own, so they spread over the idle replicas
+/// instead of all going to each). Taken tenants queue newest first, while
+/// the owner works oldest first. So no replica re-sweeps tenants another
+/// one emptied, an idle replica helps a busy one within two polls, and a
+/// dead replica's tenants move within [`TAKEOVER_POLLS`] polls at the latest
+/// (sooner: at the first poll after its sessions end, when it is no longer
+/// a member).
 pub const TAKEOVER_IDLE_POLLS: u32 = 2;
 
-/// While at least this many tenants wait in the ready queues, the poll (whose
-/// cost grows with the tenants it finds pending: 56–95 ms of the database's
-/// time for 10,000) runs only every [`BUSY_POLL_EVERY`] intervals: it would
-/// add little to the queue. So a pending row is found within `poll_ms`, or
-/// within `BUSY_POLL_EVERY` × `poll_ms` while the relay has this much work
-/// and is sweeping (during an outage the poll runs every interval: it is how
-/// the relay sees the database back).
+/// While at least this many tenants wait in this relay's ready queues, the
+/// poll (whose cost grows with the tenants it finds pending: about 5 µs of
+/// the database's time each, 50 ms for 10,000) would add little to the
+/// queue, so it runs less often: at most once every [`BUSY_POLL_EVERY`]
+/// intervals, and no more than a [`BUSY_POLL_SHARE`] of the time its last run
+/// took (which grows as the database gets busier), but at least every
+/// [`BUSY_POLL_MAX`] (or `poll_ms` if longer). So a pending row is found within `poll_ms` while the
+/// relay has little queued, and within `BUSY_POLL_MAX` at the latest (during
+/// an outage, or before this relay knows its replicas, the poll runs every
+/// interval: it is how the relay sees the database back).
 pub const BUSY_QUEUE: usize = 64;
 pub const BUSY_POLL_EVERY: u32 = 5;
+/// One twentieth: a busy relay spends at most 5 % of its time waiting for
+/// the poll.
+pub const BUSY_POLL_SHARE: u32 = 20;
+pub const BUSY_POLL_MAX: Duration = Duration::from_secs(5);
 
 /// How many distinct unconfigured tenants are warned about (once each).
 const UNCONFIGURED_WARNINGS: usize = 100;
@@ -329,6 +409,7 @@ pub async fn run(relay: Arc<Relay>, shutdown: Shutdown) {
             Some(joined) = scheduler.sweeps.join_next_with_id() => scheduler.sweep_done(joined),
             result = async { scheduler.poll.as_mut().expect("guarded by the branch condition").await }, if scheduler.poll.is_some() => {
                 scheduler.poll = None;
+                scheduler.last_poll_took = scheduler.last_poll.map_or(Duration::ZERO, |at| at.elapsed());
                 scheduler.polled(result);
             }
             _ = broker.changed() => {}
@@ -364,8 +445,15 @@ struct Scheduler {
     /// for these and the newly pending ones only; a replica takes a tenant
     /// another one owns by this count (see [`TAKEOVER_POLLS`]).
     last_pending: HashMap<String, (i64, u32)>,
-    /// When the last poll started.
+    /// When the last poll started, and how long the last one that answered took.
     last_poll: Option<Instant>,
+    last_poll_took: Duration,
+    /// Where the ready queues stood when the last poll started (see
+    /// [`Schedule::settle`]).
+    poll_mark: u64,
+    /// The last poll found this relay among the members: it knows which
+    /// tenants are its own.
+    member: bool,
 }
 
 impl Scheduler {
@@ -393,6 +481,9 @@ impl Scheduler {
             members: Vec::new(),
             last_pending: HashMap::new(),
             last_poll: None,
+            last_poll_took: Duration::ZERO,
+            poll_mark: 0,
+            member: false,
         }
     }
 
@@ -404,16 +495,18 @@ impl Scheduler {
             && now >= self.next_poll
             && self.schedule.ready_len() >= BUSY_QUEUE
             && self.database_up == Some(true)
+            && self.member
             && self.relay.publisher.is_ready()
             && self
                 .last_poll
-                .is_some_and(|at| now < at + poll_interval * BUSY_POLL_EVERY)
+                .is_some_and(|at| now < at + busy_poll_interval(poll_interval, self.last_poll_took))
         {
             // Enough work is queued: the poll waits (see BUSY_QUEUE).
             self.next_poll = now + poll_interval;
         }
         if self.poll.is_none() && now >= self.next_poll {
             self.last_poll = Some(now);
+            self.poll_mark = self.schedule.mark();
             let relay = self.relay.clone();
             // Checked until fit, and while the table lacks the columns of
             // parking (they appear when `migrate` runs).
@@ -547,11 +640,16 @@ impl Scheduler {
             .filter_map(|name| self.relay.wakeups.member_of(name))
             .map(str::to_string)
             .collect();
+        self.members.sort_unstable();
+        self.members.dedup();
+        self.member = self.relay.wakeups.is_member(&self.members);
         let now = Instant::now();
         let own_queue_empty = !self.schedule.has_ready();
         let mut found = HashMap::with_capacity(pending.len());
         let mut lags = Vec::with_capacity(pending.len() + self.last_pending.len());
         let mut due = Vec::with_capacity(pending.len());
+        let mut taken = Vec::new();
+        let mut keep = HashSet::with_capacity(pending.len());
         for PendingTenant {
             tenant,
             oldest_id,
@@ -579,11 +677,20 @@ impl Scheduler {
                 _ => 1,
             };
             found.insert(tenant.clone(), (*oldest_id, polls));
-            if self.relay.wakeups.sweeps_at_once(tenant, &self.members)
-                || polls >= TAKEOVER_POLLS
-                || (own_queue_empty && polls >= TAKEOVER_IDLE_POLLS)
+            let queue = if self.relay.wakeups.sweeps_at_once(tenant, &self.members) {
+                &mut due
+            } else if polls >= TAKEOVER_POLLS
+                || (own_queue_empty
+                    && polls >= TAKEOVER_IDLE_POLLS
+                    && self.relay.wakeups.succeeds(tenant, &self.members))
             {
-                due.push(tenant.as_str());
+                &mut taken
+            } else {
+                continue;
+            };
+            queue.push((tenant.as_str(), *oldest_id));
+            if let Some(i) = self.schedule.tenant(tenant) {
+                keep.insert(i);
             }
         }
         // Tenants emptied since the last poll: their lag is 0 now.
@@ -602,7 +709,23 @@ impl Scheduler {
             .filter(|(tenant, _)| relays_all || self.schedule.knows(tenant))
             .collect();
         self.relay.metrics.set_parked(&parked);
-        self.schedule.pending(due, random_offset());
+        let ready_before = self.schedule.ready_len();
+        self.schedule.settle(self.poll_mark, |i| keep.contains(&i));
+        let settled = self.schedule.ready_len();
+        let due_len = due.len() + taken.len();
+        self.schedule.pending(due);
+        self.schedule.taken_over(taken);
+        tracing::debug!(
+            pending = pending.len(),
+            due = due_len,
+            members = self.members.len(),
+            member = self.member,
+            ready_before,
+            unqueued = ready_before - settled,
+            ready = self.schedule.ready_len(),
+            took_ms = self.last_poll_took.as_millis() as u64,
+            "polled"
+        );
         self.last_pending = found;
     }
 
@@ -652,14 +775,11 @@ impl Scheduler {
     }
 }
 
-/// A random number, fresh each call (no state, no extra dependency).
-fn random_offset() -> usize {
-    use std::hash::{BuildHasher, Hasher};
-    // Every RandomState is freshly keyed, so an empty hash is already random.
-    let random = std::collections::hash_map::RandomState::new()
-        .build_hasher()
-        .finish();
-    usize::try_from(random % (usize::MAX as u64)).unwrap_or(0)
+/// How far apart polls are while the relay is busy (see [`BUSY_QUEUE`]).
+fn busy_poll_interval(poll_interval: Duration, last_poll_took: Duration) -> Duration {
+    (poll_interval * BUSY_POLL_EVERY)
+        .max(last_poll_took * BUSY_POLL_SHARE)
+        .min(BUSY_POLL_MAX.max(poll_interval))
 }
 
 /// Logs a sweep's outcome: every failure once, with tenant and reason.
@@ -704,6 +824,11 @@ fn report(tenant: &str, outcome: &SweepOutcome) {
 mod tests {
     use super::*;
 
+    /// Names with ascending lowest pending ids, so they queue in this order.
+    fn ids<'a>(names: impl IntoIterator<Item = &'a str>) -> Vec<(&'a str, i64)> {
+        names.into_iter().zip(0..).collect()
+    }
+
     fn tenants(n: usize) -> Schedule {
         let tenants: Vec<String> = (0..n).map(|i| format!("t{i}")).collect();
         Schedule::new(
@@ -715,12 +840,12 @@ mod tests {
     #[test]
     fn pending_tenants_become_ready_once_in_poll_order() {
         let mut s = tenants(3);
-        s.pending(["t2", "t0", "t2", "unknown"], 0);
+        s.pending(ids(["t2", "t0", "t2", "unknown"]));
         assert_eq!(s.next_ready(), Some(2));
         assert_eq!(s.next_ready(), Some(0));
         assert_eq!(s.next_ready(), None);
         // Running tenants are not queued again by a poll.
-        s.pending(["t2"], 0);
+        s.pending(ids(["t2"]));
         assert_eq!(s.next_ready(), None);
     }
 
@@ -728,7 +853,7 @@ mod tests {
     fn busy_and_fresh_tenants_take_turns() {
         let mut s = tenants(4);
         let now = Instant::now();
-        s.pending(["t0", "t1", "t2", "t3"], 0);
+        s.pending(ids(["t0", "t1", "t2", "t3"]));
         let first = s.next_ready().unwrap();
         assert_eq!(s.finished(first, Outcome::Published, now), Duration::ZERO);
         let mut order = Vec::new();
@@ -755,7 +880,7 @@ mod tests {
         let mut s = tenants(10_010);
         let now = Instant::now();
         let names: Vec<String> = (0..10_010).map(|i| format!("t{i}")).collect();
-        s.pending(names.iter().map(String::as_str), 0);
+        s.pending(ids(names.iter().map(String::as_str)));
         let mut hot_sweeps = 0;
         for _ in 0..1_000 {
             let t = s.next_ready().unwrap();
@@ -779,7 +904,7 @@ mod tests {
             Duration::from_millis(1000),
         ));
         assert!(s.is_empty() && s.knows("anyone"));
-        s.pending(["new"], 0);
+        s.pending(ids(["new"]));
         let t = s.next_ready().unwrap();
         assert_eq!(&**s.name(t), "new");
         let later = s.tenant("later").unwrap();
@@ -794,7 +919,7 @@ mod tests {
     fn a_failing_tenant_backs_off_alone_and_doubles() {
         let mut s = tenants(2);
         let now = Instant::now();
-        s.pending(["t0", "t1"], 0);
+        s.pending(ids(["t0", "t1"]));
         let t0 = s.next_ready().unwrap();
         assert_eq!(
             s.finished(t0, Outcome::Failed, now),
@@ -802,7 +927,7 @@ mod tests {
         );
         assert_eq!(s.next_ready(), Some(1), "the other tenant is not held up");
         s.finished(1, Outcome::Idle, now);
-        s.pending(["t0"], 0);
+        s.pending(ids(["t0"]));
         assert_eq!(
             s.next_ready(),
             None,
@@ -845,22 +970,63 @@ mod tests {
     }
 
     #[test]
-    fn replicas_start_at_different_tenants() {
+    fn a_busy_relay_polls_less_the_costlier_the_poll_within_a_bound() {
+        let ms = Duration::from_millis;
+        assert_eq!(busy_poll_interval(ms(200), ms(5)), ms(1_000), "5 intervals");
+        assert_eq!(
+            busy_poll_interval(ms(200), ms(150)),
+            ms(3_000),
+            "20 polls' time"
+        );
+        assert_eq!(
+            busy_poll_interval(ms(200), ms(900)),
+            BUSY_POLL_MAX,
+            "capped"
+        );
+        assert_eq!(
+            busy_poll_interval(ms(10_000), ms(5)),
+            ms(10_000),
+            "never more often than poll_ms"
+        );
+    }
+
+    #[test]
+    fn the_oldest_pending_row_goes_first() {
         let mut s = tenants(4);
-        s.pending(["t0", "t1", "t2", "t3"], 6);
+        s.pending([("t0", 40), ("t1", 7), ("t2", 12), ("t3", 3)]);
         let order: Vec<usize> = std::iter::from_fn(|| s.next_ready()).collect();
         assert_eq!(
             order,
-            [2, 3, 0, 1],
-            "rotated by the offset, every tenant once"
+            [3, 1, 2, 0],
+            "by lowest pending id, every tenant once"
         );
+    }
+
+    #[test]
+    fn a_poll_unqueues_what_it_no_longer_finds_for_this_relay() {
+        let mut s = tenants(5);
+        let now = Instant::now();
+        s.pending(ids(["t0", "t1", "t2"]));
+        let t0 = s.next_ready().unwrap();
+        s.finished(t0, Outcome::Published, now);
+        // A poll starts; then a notification queues t3.
+        let mark = s.mark();
+        assert!(s.notified(3));
+        // The poll finds t1 pending for this relay; t0 (busy) and t2 were
+        // emptied by another replica, or belong to one now.
+        s.settle(mark, |t| t == 1);
+        let order: Vec<usize> = std::iter::from_fn(|| s.next_ready()).collect();
+        assert_eq!(order, [1, 3], "t3 came after the poll started: kept");
+        // The unqueued ones are idle: the next poll or notification readies them.
+        s.pending(ids(["t0", "t2"]));
+        assert_eq!(s.ready_len(), 2);
     }
 
     #[test]
     fn an_outage_is_no_tenants_failure_and_they_resume_at_the_next_poll() {
         let mut s = tenants(3);
         let now = Instant::now();
-        s.pending(["t0", "t1", "t2"], 0);
+        s.pending(ids(["t0", "t1", "t2"]));
         // Every running sweep meets the outage (database or broker gone).
         for _ in 0..3 {
             let t = s.next_ready().unwrap();
@@ -871,7 +1037,7 @@ mod tests {
         // However long the outage, the first successful poll readies them all.
         s.wake(now + Duration::from_secs(60));
         assert!(!s.has_ready());
-        s.pending(["t0", "t1", "t2"], 0);
+        s.pending(ids(["t0", "t1", "t2"]));
         let order: Vec<usize> = std::iter::from_fn(|| s.next_ready()).collect();
         assert_eq!(order, [0, 1, 2], "every tenant at once");
         // Their first failure of their own afterwards is a first failure.
@@ -886,7 +1052,7 @@ mod tests {
     fn an_outage_keeps_a_tenants_own_back_off_as_it_was() {
         let mut s = tenants(1);
         let now = Instant::now();
-        s.pending(["t0"], 0);
+        s.pending(ids(["t0"]));
         s.next_ready();
         assert_eq!(
             s.finished(0, Outcome::Failed, now),
@@ -895,7 +1061,7 @@ mod tests {
         s.wake(now + Duration::from_millis(200));
         s.next_ready();
         s.interrupted(0);
-        s.pending(["t0"], 0);
+        s.pending(ids(["t0"]));
         assert_eq!(s.next_ready(), Some(0), "ready at the poll, no back-off");
         assert_eq!(
             s.finished(0, Outcome::Failed, now),
@@ -957,7 +1123,7 @@ mod tests {
         s.notified(0);
         s.interrupted(0);
         assert!(!s.has_ready(), "an outage waits for the poll");
-        s.pending(["t0"], 0);
+        s.pending(ids(["t0"]));
         assert_eq!(s.next_ready(), Some(0));
         s.finished(0, Outcome::Idle, Instant::now());
         assert!(!s.has_ready(), "no stale follow-up");
@@ -966,11 +1132,11 @@ mod tests {
     #[test]
     fn skipped_tenants_wait_for_the_next_poll() {
         let mut s = tenants(1);
-        s.pending(["t0"], 0);
+        s.pending(ids(["t0"]));
         let t = s.next_ready().unwrap();
         s.finished(t, Outcome::Skipped, Instant::now());
         assert!(!s.has_ready());
-        s.pending(["t0"], 0);
+        s.pending(ids(["t0"]));
         assert_eq!(s.next_ready(), Some(0));
     }
 }

@@ -549,7 +549,17 @@ impl Store {
     /// Builds the pool for the configured target; no connection is opened
     /// until one is needed.
     pub fn new(config: &Config) -> Result<Store, StoreError> {
-        let target = config.database_url.clone();
+        Store::named(config, None)
+    }
+
+    /// As [`Store::new`], every session named `application_name` when given
+    /// (a relay with `wakeup = poll` is seen by its replicas by its pool's
+    /// sessions: see `wakeup`).
+    pub fn named(config: &Config, application_name: Option<&str>) -> Result<Store, StoreError> {
+        let mut target = config.database_url.clone();
+        if let Some(name) = application_name {
+            target.set_application_name(name);
+        }
         // Every host's connect timeout, and the keepalives' round trip.
         let create = target.connect_deadline().saturating_add(CONNECT_TIMEOUT);
         let manager = Manager::from_connect(

@@ -165,6 +165,25 @@ impl Wakeups {
         application_name.strip_prefix(&self.members_prefix)
     }
 
+    /// Whether this relay is the successor of `tenant`'s owner among
+    /// `members` (see [`first_two`]): the one to take it when its owner
+    /// leaves it waiting.
+    pub fn succeeds(&self, tenant: &str, members: &[String]) -> bool {
+        first_two(tenant, members).1 == Some(&self.instance)
+    }
+
+    /// Whether this relay is among `members` (as the last poll saw them).
+    pub fn is_member(&self, members: &[String]) -> bool {
+        members.contains(&self.instance)
+    }
+
+    /// The name this relay's sessions carry to be seen as a member: its
+    /// LISTEN connection's (`wakeup = notify`), or its pool's
+    /// (`wakeup = poll`).
+    pub fn application_name(&self) -> &str {
+        &self.application_name
+    }
+
     /// Whether this relay sweeps a notified `tenant` at once: it is the
     /// tenant's owner among `members` (the replicas LISTENing on this
     /// channel, as the last poll saw them), or it does not know who else
@@ -179,13 +198,30 @@ impl Wakeups {
 /// every replica that sees the same members picks the same owner, and a
 /// member leaving moves only its own tenants.
 pub fn owner<'a>(tenant: &str, members: &'a [String]) -> Option<&'a String> {
-    members.iter().max_by_key(|member| {
+    first_two(tenant, members).0
+}
+
+/// The owner of `tenant` and its successor: the member with the second
+/// highest hash, the one that would own it were the owner gone. A busy or
+/// silent owner's tenants so go to a different successor each, spread over
+/// the other members, not all to whichever has nothing to do.
+fn first_two<'a>(tenant: &str, members: &'a [String]) -> (Option<&'a String>, Option<&'a String>) {
+    let mut first: Option<(u64, &String)> = None;
+    let mut second: Option<(u64, &String)> = None;
+    for member in members {
         let mut key = Vec::with_capacity(tenant.len() + member.len() + 1);
         key.extend_from_slice(member.as_bytes());
         key.push(0);
         key.extend_from_slice(tenant.as_bytes());
-        mix(fnv1a(&key))
-    })
+        let hash = mix(fnv1a(&key));
+        if first.is_none_or(|(top, _)| hash > top) {
+            second = first;
+            first = Some((hash, member));
+        } else if second.is_none_or(|(next, _)| hash > next) {
+            second = Some((hash, member));
+        }
+    }
+    (first.map(|(_, m)| m), second.map(|(_, m)| m))
 }
 
 /// 32 bits that tell one set of tenants from another, in any order.
@@ -523,6 +559,30 @@ mod tests {
             assert!((800..1200).contains(&n), "{member} owns {n} of 3000");
         }
         assert_eq!(owner("t", &[]), None);
+    }
+
+    #[test]
+    fn an_owners_tenants_have_successors_spread_over_the_others() {
+        let replicas: Vec<Wakeups> = (0..4).map(|_| wakeups(&["a"])).collect();
+        let members: Vec<String> = replicas.iter().map(|r| r.instance.clone()).collect();
+        let mut succeeded = vec![0; 4];
+        for t in 0..4000 {
+            let tenant = format!("tenant-{t}");
+            let owner = owner(&tenant, &members).unwrap();
+            let successors: Vec<usize> = (0..4)
+                .filter(|&r| replicas[r].succeeds(&tenant, &members))
+                .collect();
+            assert_eq!(successors.len(), 1, "one successor");
+            assert_ne!(&members[successors[0]], owner, "not the owner");
+            succeeded[successors[0]] += 1;
+        }
+        for n in succeeded {
+            assert!((800..1200).contains(&n), "{n} of 4000");
+        }
+        assert!(
+            !replicas[0].succeeds("t", &members[..1]),
+            "alone: no successor"
+        );
     }
 
     #[test]
