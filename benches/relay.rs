@@ -1445,6 +1445,15 @@ where
     figure
 }
 
+/// A figure with one decimal, or four below 1 (per-row counts are small).
+fn places(value: f64) -> String {
+    if value != 0.0 && value.abs() < 1.0 {
+        format!("{value:.4}")
+    } else {
+        format!("{value:.1}")
+    }
+}
+
 struct Report {
     json: BTreeMap<String, serde_json::Value>,
 }
@@ -1456,7 +1465,8 @@ impl Report {
         let ratio = ceiling
             .map(|(label, c)| format!("{:.2} × {label}", median / c))
             .unwrap_or_default();
-        println!("{name:<44} {median:>12.1} {unit:<8} [{min:.1} – {max:.1}]  {ratio}");
+        let (median_text, low, high) = (places(median), places(min), places(max));
+        println!("{name:<44} {median_text:>12} {unit:<8} [{low} – {high}]  {ratio}");
         self.json.insert(
             name.into(),
             json!({"median": median, "min": min, "max": max, "unit": unit, "runs": figure.runs,

@@ -29,7 +29,8 @@ async fn listener_pids(outbox: &Outbox) -> Vec<i32> {
     outbox
         .client
         .query(
-            "SELECT pid FROM pg_stat_activity WHERE application_name LIKE $1 ORDER BY pid",
+            // With `wakeup = poll` the pool's sessions carry the name too.
+            "SELECT pid FROM pg_stat_activity WHERE application_name LIKE $1 AND query LIKE '%LISTEN %' ORDER BY pid",
             &[&listeners_of(outbox)],
         )
         .await
@@ -254,9 +255,19 @@ async fn through_transaction_pooling_a_direct_listen_connection_wakes_the_relay(
     outbox.drop_schema().await;
 }
 
-/// Rows of ten tenants written while `replicas` relays LISTEN; returns the
-/// skipped claims and the rows published.
-async fn skipped_claims_with(replicas: usize) -> (f64, f64) {
+/// What `replicas` relays did with 300 rows of ten tenants.
+#[derive(Debug)]
+struct Sweeps {
+    skipped: f64,
+    /// Every sweep, whatever its outcome.
+    all: f64,
+    published: f64,
+}
+
+/// Rows of ten tenants written while `replicas` relays run with `wakeup`
+/// (notify: no poll during the test, every sweep is a notification's;
+/// poll: every 100 ms); returns their sweeps.
+async fn sweeps_with(replicas: usize, wakeup: Wakeup) -> Sweeps {
     let outbox = Outbox::create().await;
     let broker = Broker::create(&["#"]).await;
     let tenants: Vec<String> = (0..10).map(|i| format!("t{i}")).collect();
@@ -264,20 +275,34 @@ async fn skipped_claims_with(replicas: usize) -> (f64, f64) {
     let mut relays = Vec::new();
     for _ in 0..replicas {
         let mut config = config(&outbox, &broker, &names);
-        // No poll during the test: every sweep is a notification's, and
-        // each relay learns of the others when they join (their '').
-        config.poll_ms = NO_POLL_MS;
+        config.wakeup = wakeup;
+        // With notifications, no poll during the test: each relay learns of
+        // the others when they join (their '').
+        config.poll_ms = if wakeup == Wakeup::Notify {
+            NO_POLL_MS
+        } else {
+            100
+        };
         relays.push(start_relay(config).await);
     }
-    for relay in &relays {
-        until_listening(relay).await;
+    if wakeup == Wakeup::Notify {
+        for relay in &relays {
+            until_listening(relay).await;
+        }
+        eventually(
+            "every replica's LISTEN connection is there",
+            Duration::from_secs(10),
+            || async { listener_pids(&outbox).await.len() == replicas },
+        )
+        .await;
+    } else {
+        eventually(
+            "every replica's sessions are there, named for the others to see",
+            Duration::from_secs(10),
+            || async { members(&outbox).await == replicas as i64 },
+        )
+        .await;
     }
-    eventually(
-        "every replica's LISTEN connection is there",
-        Duration::from_secs(10),
-        || async { listener_pids(&outbox).await.len() == replicas },
-    )
-    .await;
     let mut committed: BTreeMap<String, Vec<i64>> = BTreeMap::new();
     for n in 0..300 {
         let tenant = &tenants[n % tenants.len()];
@@ -287,16 +312,24 @@ async fn skipped_claims_with(replicas: usize) -> (f64, f64) {
     }
     let duplicates = check_history(&outbox, &broker, &committed, Duration::from_secs(20)).await;
     assert_eq!(duplicates, 0, "{replicas} replicas: every row once");
-    let (mut skipped, mut published) = (0.0, 0.0);
+    let mut sweeps = Sweeps {
+        skipped: 0.0,
+        all: 0.0,
+        published: 0.0,
+    };
     for relay in &relays {
         let (_, text) = relay.get("/metrics").await;
         for tenant in &tenants {
-            skipped += metric(
-                &text,
-                &format!("outbox_sweeps_total{{outcome=\"skipped\",tenant=\"{tenant}\"}}"),
-            )
-            .unwrap_or_default();
-            published += metric(
+            let sweeps_of = |outcome: &str| {
+                metric(
+                    &text,
+                    &format!("outbox_sweeps_total{{outcome=\"{outcome}\",tenant=\"{tenant}\"}}"),
+                )
+                .unwrap_or_default()
+            };
+            sweeps.skipped += sweeps_of("skipped");
+            sweeps.all += sweeps_of("skipped") + sweeps_of("idle") + sweeps_of("published");
+            sweeps.published += metric(
                 &text,
                 &format!("outbox_published_total{{tenant=\"{tenant}\"}}"),
             )
@@ -308,19 +341,55 @@ async fn skipped_claims_with(replicas: usize) -> (f64, f64) {
     }
     broker.delete().await;
     outbox.drop_schema().await;
-    (skipped, published)
+    sweeps
+}
+
+/// The relays whose sessions carry this table's member name (see
+/// `wakeup`), each counted once.
+async fn members(outbox: &Outbox) -> i64 {
+    outbox
+        .client
+        .query_one(
+            "SELECT count(DISTINCT application_name) FROM pg_stat_activity WHERE application_name LIKE $1",
+            &[&listeners_of(outbox)],
+        )
+        .await
+        .expect("pg_stat_activity")
+        .get(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_leave_a_notified_tenant_to_its_owner() {
-    let (alone, published_alone) = skipped_claims_with(1).await;
-    let (three, published_three) = skipped_claims_with(3).await;
-    eprintln!(
-        "skipped claims: 1 replica {alone} for {published_alone} rows; 3 replicas {three} for {published_three} rows"
-    );
-    assert_eq!(published_three, 300.0);
+    let alone = sweeps_with(1, Wakeup::Notify).await;
+    let three = sweeps_with(3, Wakeup::Notify).await;
+    eprintln!("notify: 1 replica {alone:?}; 3 replicas {three:?}");
+    assert_eq!(three.published, 300.0);
     assert!(
-        three <= published_three / 20.0,
-        "3 replicas skipped {three} claims for {published_three} rows"
+        three.skipped <= three.published / 20.0,
+        "3 replicas skipped {} claims for {} rows",
+        three.skipped,
+        three.published
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_polling_sweep_each_tenant_by_its_owner() {
+    // Without notifications the replicas know each other by their pools'
+    // sessions: each sweeps the pending tenants it owns, not every one.
+    let alone = sweeps_with(1, Wakeup::Poll).await;
+    let three = sweeps_with(3, Wakeup::Poll).await;
+    eprintln!("poll: 1 replica {alone:?}; 3 replicas {three:?}");
+    assert_eq!(three.published, 300.0);
+    assert!(
+        three.skipped <= three.published / 20.0,
+        "3 replicas skipped {} claims for {} rows",
+        three.skipped,
+        three.published
+    );
+    assert!(
+        three.all <= alone.all * 1.5,
+        "3 replicas swept {} times for the {} sweeps of one",
+        three.all,
+        alone.all
     );
 }
