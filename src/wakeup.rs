@@ -27,7 +27,10 @@
 //! claims are not spent on it. A relay configured for other tenants is no
 //! member: it could own a tenant it does not relay. A relay that starts
 //! LISTENing notifies the channel with an empty payload ("poll now"), so the
-//! others see it at once.
+//! others see it at once. With `wakeup = poll` there is no LISTEN connection:
+//! the relay's pool sessions carry the same name (see `Relay::from_config`),
+//! so the poll still finds the members and each replica sweeps from it the
+//! tenants it owns.
 
 use std::collections::HashSet;
 use std::convert::Infallible;

@@ -11,9 +11,10 @@
 -- (and so is a NULL, which the contract's table does not allow).
 -- The same expression is in tenant_lag.sql and tenant_status.sql.
 --
--- The same statement names the relays LISTENing for this table's
--- notifications (wakeup = notify): the application_name of each one's LISTEN
--- connection, `outbox-relay:<channel hash>:<tenants hash>:<instance id>`,
+-- The same statement names the replicas of this table (the members): the
+-- application_name of each one's LISTEN connection (wakeup = notify) or of
+-- its pool's sessions (wakeup = poll),
+-- `outbox-relay:<channel hash>:<tenants hash>:<instance id>`,
 -- matched by $1, in this database (notifications do not cross databases).
 -- Every role may read other sessions' application_name (pg_stat_activity's
 -- own function, read directly: the view joins pg_database by a scan). These
