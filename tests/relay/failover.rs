@@ -9,8 +9,7 @@
 //! server is made to look gone by a proxy the test owns).
 
 use std::collections::BTreeMap;
-use std::process::{Child, ChildStdin, Stdio};
-use std::sync::{Mutex, OnceLock};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use outbox_relay::config::Config;
@@ -19,16 +18,14 @@ use tokio_postgres::{Client, NoTls};
 
 use crate::proxy::{Mode, Proxy};
 use crate::support::{
-    Broker, Outbox, as_postgres, by_tenant, config, eventually, free_port, initdb, postgres_bin,
-    relay_command, start_relay,
+    Broker, Outbox, PrivateServer, by_tenant, config, eventually, free_port, initdb, relay_command,
+    start_relay,
 };
 
-/// The private cluster: its port. Its shell parent stops it, and removes its
-/// data, when this process exits and its stdin closes.
+/// The private cluster (see [`PrivateServer`]), with a database `test`.
 struct Cluster {
     port: u16,
-    _stdin: Mutex<ChildStdin>,
-    _child: Mutex<Child>,
+    _server: PrivateServer,
 }
 
 fn cluster() -> &'static Cluster {
@@ -47,69 +44,13 @@ fn cluster() -> &'static Cluster {
         assert!(status.success());
         let base = dir.display().to_string();
         let data = format!("{base}/data");
-        let bin = postgres_bin();
         initdb(&data);
-        let port = free_port();
-        let postgres = bin.join("postgres").display().to_string();
-        let script = r#"
-            "$1" -D "$2" -p "$3" -c listen_addresses=127.0.0.1 -c unix_socket_directories="$4" \
-              -c fsync=off -c max_connections=60 >"$4/postgres.log" 2>&1 &
-            pid=$!
-            cat >/dev/null
-            kill -INT "$pid"
-            wait "$pid"
-            rm -rf "$4"
-        "#;
-        let mut child = as_postgres(&[
-            "sh",
-            "-c",
-            script,
-            "sh",
-            &postgres,
-            &data,
-            &port.to_string(),
-            &base,
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("postgres starts");
-        let stdin = child.stdin.take().expect("stdin");
-        let pg_isready = bin.join("pg_isready").display().to_string();
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !std::process::Command::new(&pg_isready)
-            .args(["-q", "-h", "127.0.0.1", "-p", &port.to_string()])
-            .status()
-            .is_ok_and(|s| s.success())
-        {
-            assert!(
-                Instant::now() < deadline,
-                "the failover cluster did not start within 30 s: {}",
-                std::fs::read_to_string(format!("{base}/postgres.log")).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let psql = bin.join("psql").display().to_string();
-        let status = as_postgres(&[
-            &psql,
-            "-q",
-            "-h",
-            "127.0.0.1",
-            "-p",
-            &port.to_string(),
-            "-U",
-            "postgres",
-            "-c",
-            "CREATE DATABASE test",
-        ])
-        .status()
-        .expect("psql runs");
-        assert!(status.success(), "database test created");
+        let settings = ["-c".to_string(), "max_connections=60".to_string()];
+        let server = PrivateServer::start("failover cluster", &data, &base, &base, &settings);
+        server.psql("postgres", "CREATE DATABASE test");
         Cluster {
-            port,
-            _stdin: Mutex::new(stdin),
-            _child: Mutex::new(child),
+            port: server.port,
+            _server: server,
         }
     })
 }

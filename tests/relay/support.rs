@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -864,6 +864,103 @@ pub fn initdb(data: &str) {
         "initdb: {}",
         String::from_utf8_lossy(&output.stderr)
     );
+}
+
+/// A PostgreSQL server of this test run's own (a second primary, a TLS
+/// listener), started once from the machine's binaries on `data` (made by
+/// [`initdb`]). Its shell parent stops it, and removes its directory, when
+/// this process exits and its stdin closes.
+pub struct PrivateServer {
+    pub port: u16,
+    /// Its Unix socket's directory, where its log is too.
+    pub socket_dir: String,
+    _stdin: Mutex<ChildStdin>,
+    _child: Mutex<Child>,
+}
+
+impl PrivateServer {
+    /// Starts the server on a free port, with `settings` (`-c name=value`
+    /// pairs, as separate arguments) and waits until it accepts
+    /// connections; `remove` goes with it at exit.
+    pub fn start(
+        what: &str,
+        data: &str,
+        socket_dir: &str,
+        remove: &str,
+        settings: &[String],
+    ) -> PrivateServer {
+        let bin = postgres_bin();
+        let port = free_port();
+        let postgres = bin.join("postgres").display().to_string();
+        let script = r#"
+            postgres=$1 data=$2 port=$3 sockets=$4 remove=$5
+            shift 5
+            "$postgres" -D "$data" -p "$port" -c listen_addresses=127.0.0.1 \
+              -c unix_socket_directories="$sockets" -c fsync=off "$@" \
+              >"$sockets/postgres.log" 2>&1 &
+            pid=$!
+            cat >/dev/null
+            kill -INT "$pid"
+            wait "$pid"
+            rm -rf "$remove"
+        "#;
+        let port_text = port.to_string();
+        let mut args = vec![
+            "sh", "-c", script, "sh", &postgres, data, &port_text, socket_dir, remove,
+        ];
+        args.extend(settings.iter().map(String::as_str));
+        let mut child = as_postgres(&args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("postgres starts");
+        let stdin = child.stdin.take().expect("stdin");
+        let pg_isready = bin.join("pg_isready").display().to_string();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while !Command::new(&pg_isready)
+            .args(["-q", "-h", socket_dir, "-p", &port_text])
+            .status()
+            .is_ok_and(|s| s.success())
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the {what} did not start within 30 s: {}",
+                std::fs::read_to_string(format!("{socket_dir}/postgres.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        PrivateServer {
+            port,
+            socket_dir: socket_dir.to_string(),
+            _stdin: Mutex::new(stdin),
+            _child: Mutex::new(child),
+        }
+    }
+
+    /// Runs `sql` with psql as `postgres` over the Unix socket, in
+    /// `database`; it must succeed.
+    pub fn psql(&self, database: &str, sql: &str) {
+        let psql = postgres_bin().join("psql").display().to_string();
+        let port = self.port.to_string();
+        let status = as_postgres(&[
+            &psql,
+            "-q",
+            "-h",
+            &self.socket_dir,
+            "-p",
+            &port,
+            "-U",
+            "postgres",
+            "-d",
+            database,
+            "-c",
+            sql,
+        ])
+        .status()
+        .expect("psql runs");
+        assert!(status.success(), "psql: {sql}");
+    }
 }
 
 /// A command run as the `postgres` user (initdb refuses root).

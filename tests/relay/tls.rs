@@ -7,9 +7,9 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use outbox_relay::config::Config;
@@ -20,8 +20,8 @@ use tokio_postgres::NoTls;
 use tokio_rustls::rustls;
 
 use crate::support::{
-    self, Broker, Outbox, as_postgres, eventually, free_port, http_get, initdb, postgres_bin,
-    relay_command, relay_env, set_env, spawn_relay, start_relay, unique,
+    self, Broker, Outbox, PrivateServer, eventually, http_get, initdb, relay_command, relay_env,
+    set_env, spawn_relay, start_relay, unique,
 };
 
 /// The private CA (and an unrelated one), with certificates it signed.
@@ -148,14 +148,12 @@ fn pki() -> &'static Pki {
     })
 }
 
-/// The TLS cluster: its port and its Unix socket directory (plain, for the
-/// tests' own set-up and checks). Its shell parent stops it, and removes its
-/// data, when this process exits and its stdin closes.
+/// The TLS cluster (see [`PrivateServer`]): its port and its Unix socket
+/// directory (plain, for the tests' own set-up and checks).
 struct Cluster {
     port: u16,
     socket_dir: String,
-    _stdin: Mutex<ChildStdin>,
-    _child: Mutex<Child>,
+    _server: PrivateServer,
 }
 
 fn cluster() -> &'static Cluster {
@@ -172,7 +170,6 @@ fn cluster() -> &'static Cluster {
         assert!(status.success());
         let data = base.join("data").display().to_string();
         let socket_dir = base.display().to_string();
-        let bin = postgres_bin();
         initdb(&data);
         std::fs::write(
             format!("{data}/pg_hba.conf"),
@@ -181,75 +178,23 @@ fn cluster() -> &'static Cluster {
              hostssl all all 127.0.0.1/32 trust\n",
         )
         .expect("pg_hba.conf");
-        let port = free_port();
-        let postgres = bin.join("postgres").display().to_string();
-        let script = r#"
-            "$1" -D "$2" -p "$3" -c listen_addresses=127.0.0.1 -c unix_socket_directories="$4" \
-              -c ssl=on -c ssl_cert_file="$5/server.pem" -c ssl_key_file="$5/server.key" \
-              -c ssl_ca_file="$5/ca.pem" -c fsync=off -c max_connections=50 \
-              >"$4/postgres.log" 2>&1 &
-            pid=$!
-            cat >/dev/null
-            kill -INT "$pid"
-            wait "$pid"
-            rm -rf "$5"
-        "#;
         let pki_dir = pki.dir.display().to_string();
-        let mut child = as_postgres(&[
-            "sh",
-            "-c",
-            script,
-            "sh",
-            &postgres,
-            &data,
-            &port.to_string(),
-            &socket_dir,
-            &pki_dir,
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("postgres starts");
-        let stdin = child.stdin.take().expect("stdin");
-        let pg_isready = bin.join("pg_isready").display().to_string();
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            let ready = Command::new(&pg_isready)
-                .args(["-q", "-h", &socket_dir, "-p", &port.to_string()])
-                .status()
-                .is_ok_and(|s| s.success());
-            if ready {
-                break;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the TLS cluster did not start within 30 s: {}",
-                std::fs::read_to_string(base.join("postgres.log")).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let psql = bin.join("psql").display().to_string();
-        let status = as_postgres(&[
-            &psql,
-            "-q",
-            "-h",
-            &socket_dir,
-            "-p",
-            &port.to_string(),
-            "-U",
-            "postgres",
-            "-c",
-            "CREATE ROLE certuser LOGIN SUPERUSER",
-        ])
-        .status()
-        .expect("psql runs");
-        assert!(status.success(), "certuser created");
+        let settings: Vec<String> = [
+            "ssl=on".to_string(),
+            format!("ssl_cert_file={pki_dir}/server.pem"),
+            format!("ssl_key_file={pki_dir}/server.key"),
+            format!("ssl_ca_file={pki_dir}/ca.pem"),
+            "max_connections=50".to_string(),
+        ]
+        .into_iter()
+        .flat_map(|setting| ["-c".to_string(), setting])
+        .collect();
+        let server = PrivateServer::start("TLS cluster", &data, &socket_dir, &pki_dir, &settings);
+        server.psql("postgres", "CREATE ROLE certuser LOGIN SUPERUSER");
         Cluster {
-            port,
+            port: server.port,
             socket_dir,
-            _stdin: Mutex::new(stdin),
-            _child: Mutex::new(child),
+            _server: server,
         }
     })
 }
