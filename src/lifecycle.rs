@@ -16,7 +16,7 @@ use lapin::types::{AMQPValue, ShortString};
 use crate::config::Config;
 use crate::domain::OutboxRow;
 use crate::envelope::Envelope;
-use crate::publisher::open_first;
+use crate::publisher::{OpenError, open_channel};
 use crate::store::{Changed, Store, StoreError};
 
 /// The header every replayed message carries, beside the relay's own.
@@ -27,12 +27,8 @@ pub const REPLAY_HEADER: &str = "outbox-replay";
 pub enum ReplayError {
     #[error(transparent)]
     Store(#[from] StoreError),
-    #[error("cannot reach the broker at {url}: {source}")]
-    Connect {
-        url: String,
-        #[source]
-        source: lapin::Error,
-    },
+    #[error(transparent)]
+    Open(#[from] OpenError),
     #[error("the broker refused a confirm-mode channel: {0}")]
     Channel(#[source] lapin::Error),
     /// The configuration cannot build a message (checked at load, so only
@@ -132,16 +128,7 @@ pub async fn replay(
 ) -> Result<Replayed, ReplayError> {
     // Which statements fit the table (with or without `discarded_at`).
     store.check_payload_type().await?;
-    let connection = open_first(&config.amqp_url, "outbox-relay replay")
-        .await
-        .map_err(|source| ReplayError::Connect {
-            url: config.amqp_url.to_string(),
-            source,
-        })?;
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(ReplayError::Channel)?;
+    let (connection, channel) = open_channel(&config.amqp_url, "outbox-relay replay").await?;
     channel
         .confirm_select(ConfirmSelectOptions::default())
         .await

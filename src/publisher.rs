@@ -662,6 +662,41 @@ fn is_channel_level(error: &lapin::Error) -> bool {
     )
 }
 
+/// Why a command's own connection and channel (`tail`, `replay`) could not
+/// be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("cannot reach the broker at {url}: {source}")]
+    Connect {
+        /// Redacted: never the password.
+        url: String,
+        #[source]
+        source: lapin::Error,
+    },
+    #[error("the broker refused a channel: {0}")]
+    Channel(#[source] lapin::Error),
+}
+
+/// A connection named `name` to the first of `target`'s endpoints that takes
+/// one, and a channel on it: what a command of its own (`tail`, `replay`)
+/// publishes or consumes on.
+pub async fn open_channel(
+    target: &AmqpTarget,
+    name: &str,
+) -> Result<(Connection, Channel), OpenError> {
+    let connection = open_first(target, name)
+        .await
+        .map_err(|source| OpenError::Connect {
+            url: target.to_string(),
+            source,
+        })?;
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(OpenError::Channel)?;
+    Ok((connection, channel))
+}
+
 /// A connection to the first of `target`'s endpoints that takes one, tried
 /// in order; the last endpoint's error if none does.
 pub async fn open_first(target: &AmqpTarget, name: &str) -> Result<Connection, lapin::Error> {

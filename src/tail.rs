@@ -16,7 +16,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 
 use crate::config::Config;
-use crate::publisher::open_first;
+use crate::publisher::{OpenError, open_channel};
 
 /// The widest body shown on a line.
 const BODY_WIDTH: usize = 200;
@@ -24,12 +24,8 @@ const BODY_WIDTH: usize = 200;
 /// Why `tail` stopped before it was asked to.
 #[derive(Debug, thiserror::Error)]
 pub enum TailError {
-    #[error("cannot reach the broker at {url}: {source}")]
-    Connect {
-        url: String,
-        #[source]
-        source: lapin::Error,
-    },
+    #[error(transparent)]
+    Open(#[from] OpenError),
     #[error("the broker refused the temporary queue: {0}")]
     Queue(#[source] lapin::Error),
     #[error("the broker closed the consumer: {0}")]
@@ -47,16 +43,7 @@ pub async fn run(
     out: &mut (dyn Write + Send),
     stop: impl Future<Output = ()>,
 ) -> Result<(), TailError> {
-    let connection = open_first(&config.amqp_url, "outbox-relay tail")
-        .await
-        .map_err(|source| TailError::Connect {
-            url: config.amqp_url.to_string(),
-            source,
-        })?;
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(TailError::Queue)?;
+    let (connection, channel) = open_channel(&config.amqp_url, "outbox-relay tail").await?;
     if config.declare_exchange {
         // As the relay declares it: tail may start first.
         let kind = match config.exchange_type.as_str() {
