@@ -259,14 +259,6 @@ impl Tenants {
     pub fn discovers(&self) -> bool {
         *self == Tenants::Discovered
     }
-
-    /// Whether the relay relays `tenant`.
-    pub fn relays(&self, tenant: &str) -> bool {
-        match self {
-            Tenants::Listed(names) => names.iter().any(|n| n == tenant),
-            Tenants::Discovered => true,
-        }
-    }
 }
 
 impl<const N: usize> PartialEq<[&str; N]> for Tenants {
