@@ -46,6 +46,7 @@ use tokio_postgres::{Client, Connection, Socket};
 
 use crate::config::{Config, DatabaseTarget, Tenants};
 use crate::domain::{BatchReport, FailureReason, Lease, OutboxRow, Payload};
+use crate::migrate::{quote_literal, wakeup_channel};
 
 /// Deadline of each round trip of a sweep, and of the poll and lag queries.
 pub const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -280,8 +281,13 @@ struct Statements {
 impl Statements {
     /// The statements for `table`; with `parking` false, for a table without
     /// `parked_at` and `discarded_at` (see [`variant`]).
-    fn new(table: &str, parking: bool) -> Statements {
-        let sql = |text: &str| variant(text, parking).replace("{table}", table);
+    /// `table` quoted, `channel` the wake-up channel as a quoted literal.
+    fn new(table: &str, channel: &str, parking: bool) -> Statements {
+        let sql = |text: &str| {
+            variant(text, parking)
+                .replace("{table}", table)
+                .replace("{channel}", channel)
+        };
         Statements {
             read_batch: sql(READ_BATCH),
             read_payload: sql(READ_PAYLOAD),
@@ -583,11 +589,12 @@ impl Store {
             .build()
             .map_err(StoreError::Build)?;
         let table = qualified_table(&config.schema, &config.table);
+        let channel = quote_literal(&wakeup_channel(&config.schema, &config.table));
         Ok(Store {
             pool,
             statements: Arc::new([
-                Statements::new(&table, true),
-                Statements::new(&table, false),
+                Statements::new(&table, &channel, true),
+                Statements::new(&table, &channel, false),
             ]),
             parking_columns: Arc::new(AtomicBool::new(true)),
             park_after_attempts: i32::try_from(config.park_after_attempts).unwrap_or(i32::MAX),

@@ -477,3 +477,49 @@ async fn migrate_upgrades_a_partitioned_table_with_rows() {
         .await
         .expect("drop schema");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requeued_row_goes_out_at_once_not_at_the_next_poll() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let poisoned = poison(&outbox, "t").await;
+    let mut config = config(&outbox, &broker, &["t"]);
+    config.park_after_attempts = 1;
+    // After the first poll (at start, which parks the row), none during the test.
+    config.poll_ms = 60_000;
+    let relay = start_relay(config).await;
+    eventually("the row parked", Duration::from_secs(20), || async {
+        pending(&outbox, "t").await == 0
+    })
+    .await;
+    eventually(
+        "the relay LISTENs for wake-ups",
+        Duration::from_secs(10),
+        || async {
+            let (_, text) = relay.get("/metrics").await;
+            metric(&text, "outbox_wakeup_connected") == Some(1.0)
+        },
+    )
+    .await;
+    outbox
+        .execute(&format!(
+            "UPDATE {{outbox}} SET headers = NULL WHERE id = {poisoned}"
+        ))
+        .await;
+    let (code, out, err) = cli(
+        &outbox,
+        &broker,
+        &["requeue", "--id", &poisoned.to_string()],
+    );
+    assert_eq!(code, Some(0), "{out}{err}");
+    eventually(
+        "the requeued row arrives, woken by the requeue's notification",
+        Duration::from_secs(20),
+        || async { broker.count() == 1 },
+    )
+    .await;
+    relay.stop().await;
+    assert_eq!(by_tenant(&broker.received())["t"], [poisoned]);
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
