@@ -140,7 +140,10 @@ fn metric_sum(text: &str, name: &str, label: &str) -> f64 {
 /// never turns 503 once it was 200.
 async fn two_relays_two_tables_one_small_pool(url: String) {
     let outboxes = [Outbox::create().await, Outbox::create().await];
-    let brokers = [Broker::create(&["#"]).await, Broker::create(&["#"]).await];
+    let brokers: [Broker; 2] = Broker::create_several(2, &["#"])
+        .await
+        .try_into()
+        .unwrap_or_else(|_| unreachable!("two brokers"));
     let mut expected: [HashMap<i64, (String, String)>; 2] = [HashMap::new(), HashMap::new()];
     let mut committed: [BTreeMap<String, Vec<i64>>; 2] = [BTreeMap::new(), BTreeMap::new()];
     let mut record = |side: usize, rows: Vec<(i64, String, String)>| {

@@ -296,7 +296,10 @@ impl Received {
 }
 
 /// Tests that publish hold this shared; the one that blocks the whole broker
-/// (memory alarm) holds it exclusively, so it never runs beside them.
+/// (memory alarm) holds it exclusively, so it never runs beside them. The
+/// lock is fair: a test must take its share once, however many exchanges it
+/// makes ([`Broker::create_several`]); a second share asked for while a
+/// writer waits would wait behind it, and the writer behind the first.
 fn broker_lock() -> Arc<tokio::sync::RwLock<()>> {
     static LOCK: std::sync::OnceLock<Arc<tokio::sync::RwLock<()>>> = std::sync::OnceLock::new();
     LOCK.get_or_init(|| Arc::new(tokio::sync::RwLock::new(())))
@@ -314,7 +317,7 @@ enum BrokerGuard {
 pub struct Broker {
     pub exchange: String,
     pub queue: String,
-    _guard: BrokerGuard,
+    _guard: Arc<BrokerGuard>,
     connection: Connection,
     channel: Channel,
     received: Arc<Mutex<Vec<Received>>>,
@@ -325,16 +328,26 @@ impl Broker {
     /// Declares the exchange and the consumer's queue, bound with `keys`.
     pub async fn create(keys: &[&str]) -> Broker {
         let guard = BrokerGuard::Shared(broker_lock().read_owned().await);
-        Broker::create_with(keys, guard).await
+        Broker::create_with(keys, Arc::new(guard)).await
+    }
+
+    /// `n` of [`Broker::create`], under one share of the broker's lock.
+    pub async fn create_several(n: usize, keys: &[&str]) -> Vec<Broker> {
+        let guard = Arc::new(BrokerGuard::Shared(broker_lock().read_owned().await));
+        let mut brokers = Vec::with_capacity(n);
+        for _ in 0..n {
+            brokers.push(Broker::create_with(keys, guard.clone()).await);
+        }
+        brokers
     }
 
     /// As [`Broker::create`], while no other test uses the broker.
     pub async fn create_exclusive(keys: &[&str]) -> Broker {
         let guard = BrokerGuard::Exclusive(broker_lock().write_owned().await);
-        Broker::create_with(keys, guard).await
+        Broker::create_with(keys, Arc::new(guard)).await
     }
 
-    async fn create_with(keys: &[&str], guard: BrokerGuard) -> Broker {
+    async fn create_with(keys: &[&str], guard: Arc<BrokerGuard>) -> Broker {
         let exchange = unique("x");
         let queue = unique("q");
         let connection = Connection::connect(AMQP_URL, ConnectionProperties::default())
