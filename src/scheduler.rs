@@ -35,7 +35,7 @@ use crate::backoff::Backoff;
 use crate::domain::Outcome;
 use crate::relay::{Relay, SweepFailure, SweepOutcome};
 use crate::shutdown::Shutdown;
-use crate::store::{self, PendingTenant, StoreError};
+use crate::store::{self, Page, PendingTenant, StoreError};
 
 /// Where a tenant is in the schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -390,7 +390,26 @@ type Poll = Pin<Box<dyn Future<Output = Result<Polled, StoreError>> + Send>>;
 /// What a successful poll found.
 struct Polled {
     found: store::Polled,
+    /// The page it read.
+    page: Page,
     payload_checked: bool,
+}
+
+/// The most tenants one poll reads (about 50 ms of the database's time);
+/// with more pending, the polls page through them in the index's order,
+/// each going on after the last one's last tenant, and start again at the
+/// first after a page that was not full (a cycle).
+pub const POLL_PAGE: usize = 10_000;
+
+/// What the polls last found of a pending tenant.
+#[derive(Debug, Clone, Copy)]
+struct Seen {
+    /// Its lowest pending id ...
+    oldest_id: i64,
+    /// ... found by this many polls in a row (see [`TAKEOVER_POLLS`]) ...
+    polls: u32,
+    /// ... the last time in this cycle of pages.
+    cycle: u64,
 }
 
 /// Runs the scheduler until `shutdown` fires, then drains running sweeps
@@ -444,7 +463,11 @@ struct Scheduler {
     /// how many polls in a row have found that same id. Lag gauges are set
     /// for these and the newly pending ones only; a replica takes a tenant
     /// another one owns by this count (see [`TAKEOVER_POLLS`]).
-    last_pending: HashMap<String, (i64, u32)>,
+    last_pending: HashMap<String, Seen>,
+    /// Where the next poll's page starts (after this tenant), and the cycle
+    /// of pages it belongs to.
+    poll_after: Option<String>,
+    cycle: u64,
     /// When the last poll started, and how long the last one that answered took.
     last_poll: Option<Instant>,
     last_poll_took: Duration,
@@ -480,6 +503,8 @@ impl Scheduler {
             unconfigured: HashSet::new(),
             members: Vec::new(),
             last_pending: HashMap::new(),
+            poll_after: None,
+            cycle: 0,
             last_poll: None,
             last_poll_took: Duration::ZERO,
             poll_mark: 0,
@@ -511,12 +536,17 @@ impl Scheduler {
             // Checked until fit, and while the table lacks the columns of
             // parking (they appear when `migrate` runs).
             let check = !self.payload_checked || !self.relay.store.has_parking_columns();
+            let page = Page {
+                after: self.poll_after.clone(),
+                limit: POLL_PAGE,
+            };
             self.poll = Some(Box::pin(async move {
                 let payload_checked = !check || relay.store.check_payload_type().await?;
                 let listeners = relay.wakeups.members_pattern();
-                let found = relay.store.pending_tenants(&listeners).await?;
+                let found = relay.store.pending_tenants(&listeners, &page).await?;
                 Ok(Polled {
                     found,
+                    page,
                     payload_checked,
                 })
             }));
@@ -606,6 +636,7 @@ impl Scheduler {
                     listeners,
                     parked,
                 },
+            page,
             payload_checked,
         } = match result {
             Ok(polled) => polled,
@@ -645,7 +676,11 @@ impl Scheduler {
         self.member = self.relay.wakeups.is_member(&self.members);
         let now = Instant::now();
         let own_queue_empty = !self.schedule.has_ready();
-        let mut found = HashMap::with_capacity(pending.len());
+        // A page that was not full ends the cycle; one that started it too
+        // saw every pending tenant.
+        let last_page = pending.len() < page.limit;
+        let whole = last_page && page.after.is_none();
+        let mut in_page = HashSet::with_capacity(pending.len());
         let mut lags = Vec::with_capacity(pending.len() + self.last_pending.len());
         let mut due = Vec::with_capacity(pending.len());
         let mut taken = Vec::new();
@@ -673,10 +708,20 @@ impl Scheduler {
                 .observe(tenant, Some(*oldest_id), *lag_ms, now);
             lags.push((tenant.as_str(), lag));
             let polls = match self.last_pending.get(tenant) {
-                Some(&(id, polls)) if id == *oldest_id => polls.saturating_add(1),
+                Some(seen) if seen.oldest_id == *oldest_id => seen.polls.saturating_add(1),
                 _ => 1,
             };
-            found.insert(tenant.clone(), (*oldest_id, polls));
+            self.last_pending.insert(
+                tenant.clone(),
+                Seen {
+                    oldest_id: *oldest_id,
+                    polls,
+                    cycle: self.cycle,
+                },
+            );
+            if let Some(i) = self.schedule.tenant(tenant) {
+                in_page.insert(i);
+            }
             let queue = if self.relay.wakeups.sweeps_at_once(tenant, &self.members) {
                 &mut due
             } else if polls >= TAKEOVER_POLLS
@@ -693,14 +738,30 @@ impl Scheduler {
                 keep.insert(i);
             }
         }
-        // Tenants emptied since the last poll: their lag is 0 now.
-        for tenant in self.last_pending.keys() {
-            if !found.contains_key(tenant) {
-                self.relay.lag.observe(tenant, None, 0, now);
-                lags.push((tenant.as_str(), 0));
-            }
+        // At the end of a cycle, the tenants no page of it found were
+        // emptied: their lag is 0 now.
+        let mut emptied = Vec::new();
+        if last_page {
+            let cycle = self.cycle;
+            self.last_pending.retain(|tenant, seen| {
+                let pending = seen.cycle == cycle;
+                if !pending {
+                    emptied.push(tenant.clone());
+                }
+                pending
+            });
+            self.cycle += 1;
+        }
+        for tenant in &emptied {
+            self.relay.lag.observe(tenant, None, 0, now);
+            lags.push((tenant.as_str(), 0));
         }
         self.relay.metrics.set_lags(lags);
+        self.poll_after = if last_page {
+            None
+        } else {
+            pending.last().map(|last| last.tenant.clone())
+        };
         // Parked rows of the tenants this relay relays, as the database
         // counts them (the same on every replica, and after a restart).
         let relays_all = self.relay.config.tenants.discovers();
@@ -710,7 +771,10 @@ impl Scheduler {
             .collect();
         self.relay.metrics.set_parked(&parked);
         let ready_before = self.schedule.ready_len();
-        self.schedule.settle(self.poll_mark, |i| keep.contains(&i));
+        // A tenant the page did not cover may be pending still: it stays.
+        self.schedule.settle(self.poll_mark, |i| {
+            keep.contains(&i) || (!whole && !in_page.contains(&i))
+        });
         let settled = self.schedule.ready_len();
         let due_len = due.len() + taken.len();
         self.schedule.pending(due);
@@ -726,7 +790,6 @@ impl Scheduler {
             took_ms = self.last_poll_took.as_millis() as u64,
             "polled"
         );
-        self.last_pending = found;
     }
 
     /// The database answered the poll, with rows or with an error.

@@ -224,10 +224,29 @@ pub struct PendingTenant {
     pub lag_ms: i64,
 }
 
+/// Which tenants a poll reads: at most `limit`, from the first after
+/// `after` (from the first of all without it), in the index's order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Page {
+    pub after: Option<String>,
+    pub limit: usize,
+}
+
+impl Page {
+    /// Every pending tenant (the CLI's reads).
+    pub fn all() -> Page {
+        Page {
+            after: None,
+            limit: usize::MAX,
+        }
+    }
+}
+
 /// What one poll found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Polled {
-    /// The tenants with pending rows, in the order of their names.
+    /// The tenants with pending rows (the page asked for), in the order of
+    /// their names (the column's collation).
     pub pending: Vec<PendingTenant>,
     /// The application_name of each session LISTENing for wake-ups (see
     /// `wakeup`).
@@ -799,7 +818,7 @@ impl Store {
     /// poll's statement, one round trip, its listeners left out.
     pub async fn pending_lag(&self) -> Result<Vec<TenantLag>, StoreError> {
         // No LISTEN connection is named '' (the pattern matches that alone).
-        let polled = self.pending_tenants("").await?;
+        let polled = self.pending_tenants("", &Page::all()).await?;
         Ok(polled
             .pending
             .into_iter()
@@ -814,7 +833,7 @@ impl Store {
     /// The tenants with pending or parked rows, in name order, for
     /// `status` with `tenants = "*"`: the poll's statement, one round trip.
     pub async fn tenants_with_rows(&self) -> Result<Vec<String>, StoreError> {
-        let polled = self.pending_tenants("").await?;
+        let polled = self.pending_tenants("", &Page::all()).await?;
         let mut names: Vec<String> = polled
             .pending
             .into_iter()
@@ -856,17 +875,30 @@ impl Store {
         .await
     }
 
-    /// Every tenant with pending rows (configured or not), its lowest pending
-    /// id and its lag, and the application_name of every session of this
-    /// database LIKE `listeners`: one statement whose cost does not grow with
-    /// idle tenants.
+    /// The tenants with pending rows in `page` (configured or not), each
+    /// with its lowest pending id and its lag; every tenant's count of parked
+    /// rows; and the application_name of every session of this database LIKE
+    /// `listeners`: one statement whose cost does not grow with idle tenants,
+    /// nor past the page with pending ones.
     /// Refused as [`StoreError::ReadOnly`] on a server that takes no writes.
-    pub async fn pending_tenants(&self, listeners: &str) -> Result<Polled, StoreError> {
+    pub async fn pending_tenants(
+        &self,
+        listeners: &str,
+        page: &Page,
+    ) -> Result<Polled, StoreError> {
+        let after = page.after.as_deref().unwrap_or("");
+        let from_start = page.after.is_none();
+        let limit = i64::try_from(page.limit).unwrap_or(i64::MAX);
         let rows = self
             .query_all_on_writable(
                 "the poll query",
                 &self.statements().pending_tenants,
-                &[(&listeners, Type::TEXT)],
+                &[
+                    (&listeners, Type::TEXT),
+                    (&after, Type::TEXT),
+                    (&from_start, Type::BOOL),
+                    (&limit, Type::INT8),
+                ],
                 |row| {
                     Ok(
                         match (

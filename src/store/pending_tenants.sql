@@ -28,6 +28,11 @@
 -- a random one, the planner may scan a small table instead; a large one
 -- (over about 20,000 pages) is read through the index even then.
 --
+-- Paged: at most $4 tenants, from the first tenant after $2 (or from $2 on,
+-- with $3), in the order of the index (the column's collation). The
+-- recursion stops at the limit, so a poll's cost is bounded however many
+-- tenants are pending; the next poll goes on after the page's last tenant.
+--
 -- A line marked `lifecycle` is left out, here and in every statement, when
 -- the table has no `parked_at` and `discarded_at` yet (migration 0003 not
 -- applied); a line marked `legacy` is there only then.
@@ -35,6 +40,7 @@ WITH RECURSIVE pending(tenant_id, id, occurred_at) AS (
     (SELECT tenant_id, id, occurred_at FROM {table}
      WHERE published_at IS NULL
        AND parked_at IS NULL -- lifecycle
+       AND tenant_id >= $2 AND (tenant_id > $2 OR $3)
      ORDER BY tenant_id, id LIMIT 1)
     UNION ALL
     SELECT next.tenant_id, next.id, next.occurred_at
@@ -46,13 +52,14 @@ WITH RECURSIVE pending(tenant_id, id, occurred_at) AS (
         ORDER BY o.tenant_id, o.id LIMIT 1
     ) next
 )
-SELECT tenant_id,
-       id,
-       (GREATEST(LEAST(COALESCE(date_part('epoch', clock_timestamp()) - date_part('epoch', occurred_at), 0),
-                       315576000000), 0) * 1000)::bigint AS lag_ms,
-       NULL::text AS listener,
-       NULL::bigint AS parked
-FROM pending
+(SELECT tenant_id,
+        id,
+        (GREATEST(LEAST(COALESCE(date_part('epoch', clock_timestamp()) - date_part('epoch', occurred_at), 0),
+                        315576000000), 0) * 1000)::bigint AS lag_ms,
+        NULL::text AS listener,
+        NULL::bigint AS parked
+ FROM pending
+ LIMIT $4)
 UNION ALL -- lifecycle (parked count)
 SELECT tenant_id, NULL, NULL, NULL, count(*) -- lifecycle (parked count)
 FROM {table} -- lifecycle (parked count)

@@ -549,7 +549,7 @@ async fn the_relays_reads_use_the_partial_index_whatever_the_costs() {
         for (n, sql) in statements.iter().enumerate() {
             let params = match n {
                 0 => "('bulk', 256, 16777216, 67108864, 1048576, -9223372036854775808)",
-                1 => "('outbox-relay:0:%')",
+                1 => "('outbox-relay:0:%', '', true, 10000)",
                 _ => "(ARRAY['bulk', 'other'])",
             };
             let plan = plan_of(client, sql, params).await;
@@ -573,7 +573,7 @@ async fn the_relays_reads_use_the_partial_index_whatever_the_costs() {
     for settings in ["RESET ALL", "SET plan_cache_mode = force_generic_plan"] {
         client.batch_execute("RESET ALL").await.unwrap();
         client.batch_execute(settings).await.unwrap();
-        let plan = plan_of(client, &poll, "('outbox-relay:0:%')").await;
+        let plan = plan_of(client, &poll, "('outbox-relay:0:%', '', true, 10000)").await;
         assert!(
             plan.contains("outbox_message_parked") && !plan.contains("Seq Scan"),
             "{settings}: the parked count scans the table:\n{plan}"
