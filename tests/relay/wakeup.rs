@@ -30,7 +30,7 @@ async fn listener_pids(outbox: &Outbox) -> Vec<i32> {
         .client
         .query(
             // With `wakeup = poll` the pool's sessions carry the name too.
-            "SELECT pid FROM pg_stat_activity WHERE application_name LIKE $1 AND query LIKE '%LISTEN %' ORDER BY pid",
+            "SELECT pid FROM pg_stat_activity WHERE application_name LIKE $1 AND query LIKE '%; LISTEN %' ORDER BY pid",
             &[&listeners_of(outbox)],
         )
         .await
