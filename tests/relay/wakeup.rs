@@ -358,27 +358,13 @@ async fn members(outbox: &Outbox) -> i64 {
         .get(0)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn replicas_leave_a_notified_tenant_to_its_owner() {
-    let alone = sweeps_with(1, Wakeup::Notify).await;
-    let three = sweeps_with(3, Wakeup::Notify).await;
-    eprintln!("notify: 1 replica {alone:?}; 3 replicas {three:?}");
-    assert_eq!(three.published, 300.0);
-    assert!(
-        three.skipped <= three.published / 20.0,
-        "3 replicas skipped {} claims for {} rows",
-        three.skipped,
-        three.published
-    );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn replicas_polling_sweep_each_tenant_by_its_owner() {
-    // Without notifications the replicas know each other by their pools'
-    // sessions: each sweeps the pending tenants it owns, not every one.
-    let alone = sweeps_with(1, Wakeup::Poll).await;
-    let three = sweeps_with(3, Wakeup::Poll).await;
-    eprintln!("poll: 1 replica {alone:?}; 3 replicas {three:?}");
+/// One replica, then three, with `wakeup`: the three publish every row
+/// with few skipped claims, and sweep about as often as the one did (each
+/// tenant by its owner, not by every replica).
+async fn replicas_split_the_tenants(wakeup: Wakeup) {
+    let alone = sweeps_with(1, wakeup).await;
+    let three = sweeps_with(3, wakeup).await;
+    eprintln!("{wakeup:?}: 1 replica {alone:?}; 3 replicas {three:?}");
     assert_eq!(three.published, 300.0);
     assert!(
         three.skipped <= three.published / 20.0,
@@ -392,4 +378,16 @@ async fn replicas_polling_sweep_each_tenant_by_its_owner() {
         three.all,
         alone.all
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_leave_a_notified_tenant_to_its_owner() {
+    replicas_split_the_tenants(Wakeup::Notify).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_polling_sweep_each_tenant_by_its_owner() {
+    // Without notifications the replicas know each other by their pools'
+    // sessions.
+    replicas_split_the_tenants(Wakeup::Poll).await;
 }
