@@ -22,6 +22,10 @@ use crate::store::{Changed, Store, StoreError};
 /// The header every replayed message carries, beside the relay's own.
 pub const REPLAY_HEADER: &str = "outbox-replay";
 
+/// What [`REPLAY_HEADER`] adds to a message's header frame, at most: its
+/// name's length byte and name, a type tag and a boolean (16), rounded up.
+const REPLAY_HEADER_BYTES: u32 = 32;
+
 /// Why a replay stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum ReplayError {
@@ -185,13 +189,15 @@ async fn send_page(
     let mut confirms = Vec::with_capacity(rows.len());
     let mut refused = None;
     for row in rows {
-        let message = match envelope.message(tenant, row, frame_max) {
-            Ok(message) => message,
-            Err(refusal) => {
-                refused = Some((row.id, refusal.last_error()));
-                break;
-            }
-        };
+        // The header frame must hold the replay's own header too.
+        let message =
+            match envelope.message(tenant, row, frame_max.saturating_sub(REPLAY_HEADER_BYTES)) {
+                Ok(message) => message,
+                Err(refusal) => {
+                    refused = Some((row.id, refusal.last_error()));
+                    break;
+                }
+            };
         let mut headers = message.properties.headers().clone().unwrap_or_default();
         headers.insert(REPLAY_HEADER.into(), AMQPValue::Boolean(true));
         let properties = message.properties.with_headers(headers);
