@@ -1688,9 +1688,11 @@ async fn scale_drain(rows: u64, relays: usize) -> ScaleRun {
     run
 }
 
-/// Peak RSS (MiB) of one relay with the 10,000 tenants listed and nothing
-/// pending: idle for 3 s, then across one `/metrics` scrape without gzip.
-async fn scale_memory() -> (f64, f64) {
+/// Peak RSS (MiB) of one relay with the 10,000 tenants listed: idle for 3 s
+/// with nothing pending, then across one `/metrics` scrape without gzip;
+/// then after each tenant relayed a row (so each has its series), idle and
+/// across a scrape again.
+async fn scale_memory() -> [f64; 4] {
     let table = Table::create().await;
     let exchange = Exchange::create(false).await;
     let (hot, cold) = scale_tenants();
@@ -1701,10 +1703,21 @@ async fn scale_memory() -> (f64, f64) {
     let idle = relay.peak_rss_mib();
     let _ = sweep_counts(&addr).await;
     let scraped = relay.peak_rss_mib();
+    table.fill(&names, SCALE_TENANTS as u64, 256).await;
+    assert!(
+        exchange
+            .wait_for(SCALE_TENANTS, Duration::from_secs(120))
+            .await,
+        "scale memory: every tenant's row arrives"
+    );
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let active = relay.peak_rss_mib();
+    let _ = sweep_counts(&addr).await;
+    let active_scraped = relay.peak_rss_mib();
     relay.stop();
     exchange.delete().await;
     table.drop().await;
-    (idle, scraped)
+    [idle, scraped, active, active_scraped]
 }
 
 /// A writer at 500 rows/s over the 10,000 tenants for `duration`, into 3
@@ -1834,21 +1847,23 @@ async fn scale(report: &mut Report, knobs: &Knobs) {
 }
 
 async fn scale_memory_figures(report: &mut Report) {
-    let (idle, scraped) = scale_memory().await;
-    report.add(
-        "scale 10000 listed tenants: peak RSS idle",
-        "MiB",
-        &Figure { runs: vec![idle] },
-        None,
-    );
-    report.add(
-        "scale 10000 listed tenants: across a scrape",
-        "MiB",
-        &Figure {
-            runs: vec![scraped],
-        },
-        None,
-    );
+    let figures = scale_memory().await;
+    for (what, mib) in [
+        "peak RSS idle",
+        "across a scrape",
+        "after each relayed a row",
+        "after each relayed a row, across a scrape",
+    ]
+    .into_iter()
+    .zip(figures)
+    {
+        report.add(
+            &format!("scale 10000 listed tenants: {what}"),
+            "MiB",
+            &Figure { runs: vec![mib] },
+            None,
+        );
+    }
 }
 
 async fn scale_trickle_figures(report: &mut Report, knobs: &Knobs) {

@@ -20,11 +20,15 @@ use std::time::Duration;
 use prometheus::core::Collector;
 use prometheus::proto::MetricFamily;
 use prometheus::{
-    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec,
-    IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::domain::{FailureReason, Outcome};
+
+mod tenant_family;
+
+use tenant_family::TenantFamily;
 
 /// The longest delivery delay observed as it is: a longer one (a row whose
 /// `occurred_at` is years old, e.g. year 1) counts as this, so that one row
@@ -56,16 +60,16 @@ pub struct Metrics {
     /// Every registered metric, in the order a scrape writes them.
     families: Arc<Vec<Arc<dyn Collector>>>,
     labels: Arc<Mutex<Labels>>,
-    published: IntCounterVec,
-    publish_failures: IntCounterVec,
-    sweeps: IntCounterVec,
+    published: Arc<TenantFamily>,
+    publish_failures: Arc<TenantFamily>,
+    sweeps: Arc<TenantFamily>,
     sweep_duration: HistogramVec,
     delivery_delay: Histogram,
     /// Written by the scheduler's poll alone.
-    lag: GaugeVec,
-    tenant_backoff: GaugeVec,
+    lag: Arc<TenantFamily>,
+    tenant_backoff: Arc<TenantFamily>,
     /// Written by the scheduler's poll alone.
-    parked: IntGaugeVec,
+    parked: Arc<TenantFamily>,
     amqp_connected: IntGauge,
     amqp_endpoint: IntGaugeVec,
     database_up: IntGauge,
@@ -91,27 +95,21 @@ impl Metrics {
 
     fn with_cap(cap: Option<usize>) -> Metrics {
         let registry = Registry::new();
-        let published = IntCounterVec::new(
-            Opts::new(
-                "outbox_published_total",
-                "Rows published and confirmed by the broker.",
-            ),
-            &["tenant"],
-        )
-        .expect("valid metric");
-        let publish_failures = IntCounterVec::new(
-            Opts::new(
-                "outbox_publish_failures_total",
-                "Publishes refused or failed, by reason.",
-            ),
-            &["tenant", "reason"],
-        )
-        .expect("valid metric");
-        let sweeps = IntCounterVec::new(
-            Opts::new("outbox_sweeps_total", "Sweeps of a tenant, by outcome."),
-            &["tenant", "outcome"],
-        )
-        .expect("valid metric");
+        let published = Arc::new(TenantFamily::counter(
+            "outbox_published_total",
+            "Rows published and confirmed by the broker.",
+            None,
+        ));
+        let publish_failures = Arc::new(TenantFamily::counter(
+            "outbox_publish_failures_total",
+            "Publishes refused or failed, by reason.",
+            Some("reason"),
+        ));
+        let sweeps = Arc::new(TenantFamily::counter(
+            "outbox_sweeps_total",
+            "Sweeps of a tenant, by outcome.",
+            Some("outcome"),
+        ));
         let sweep_duration = HistogramVec::new(
             HistogramOpts::new(
                 "outbox_sweep_duration_seconds",
@@ -134,30 +132,18 @@ impl Metrics {
             ]),
         )
         .expect("valid metric");
-        let lag = GaugeVec::new(
-            Opts::new(
-                "outbox_lag_seconds",
-                "How long the tenant's oldest pending row has waited: its age by the database's clock, or how long the relay has seen it waiting, whichever is longer.",
-            ),
-            &["tenant"],
-        )
-        .expect("valid metric");
-        let tenant_backoff = GaugeVec::new(
-            Opts::new(
-                "outbox_tenant_backoff_seconds",
-                "Current back-off of the tenant after failed sweeps; 0 when not backing off.",
-            ),
-            &["tenant"],
-        )
-        .expect("valid metric");
-        let parked = IntGaugeVec::new(
-            Opts::new(
-                "outbox_parked_rows",
-                "Rows of the tenant parked (refused for their own sake park_after_attempts times) and not yet requeued or discarded, as the database counts them.",
-            ),
-            &["tenant"],
-        )
-        .expect("valid metric");
+        let lag = Arc::new(TenantFamily::gauge(
+            "outbox_lag_seconds",
+            "How long the tenant's oldest pending row has waited: its age by the database's clock, or how long the relay has seen it waiting, whichever is longer.",
+        ));
+        let tenant_backoff = Arc::new(TenantFamily::gauge(
+            "outbox_tenant_backoff_seconds",
+            "Current back-off of the tenant after failed sweeps; 0 when not backing off.",
+        ));
+        let parked = Arc::new(TenantFamily::gauge(
+            "outbox_parked_rows",
+            "Rows of the tenant parked (refused for their own sake park_after_attempts times) and not yet requeued or discarded, as the database counts them.",
+        ));
         let amqp_connected = IntGauge::new(
             "outbox_amqp_connected",
             "Whether the broker connection is up (1) or not (0).",
@@ -222,14 +208,14 @@ impl Metrics {
             .set(1);
 
         let families: Vec<Arc<dyn Collector>> = vec![
-            Arc::new(published.clone()) as Arc<dyn Collector>,
-            Arc::new(publish_failures.clone()),
-            Arc::new(sweeps.clone()),
+            published.clone() as Arc<dyn Collector>,
+            publish_failures.clone(),
+            sweeps.clone(),
             Arc::new(sweep_duration.clone()),
             Arc::new(delivery_delay.clone()),
-            Arc::new(lag.clone()),
-            Arc::new(tenant_backoff.clone()),
-            Arc::new(parked.clone()),
+            lag.clone(),
+            tenant_backoff.clone(),
+            parked.clone(),
             Arc::new(amqp_connected.clone()),
             Arc::new(amqp_endpoint.clone()),
             Arc::new(database_up.clone()),
@@ -298,11 +284,11 @@ impl Metrics {
         let shown = &mut labels.parked;
         for tenant in shown.iter() {
             if !totals.contains_key(tenant.as_str()) {
-                self.parked.with_label_values(&[tenant]).set(0);
+                self.parked.set(tenant, 0.0);
             }
         }
         for (tenant, count) in totals {
-            self.parked.with_label_values(&[tenant]).set(count);
+            self.parked.set(tenant, count as f64);
             if !shown.contains(tenant) {
                 shown.insert(tenant.to_string());
             }
@@ -365,11 +351,9 @@ impl Metrics {
         let tenant = self.label(tenant);
         if outcome == Outcome::Published || outcome == Outcome::Idle {
             // Its published count shows from its first sweep, at 0 if need be.
-            self.published.with_label_values(&[tenant]);
+            self.published.touch(tenant, "");
         }
-        self.sweeps
-            .with_label_values(&[tenant, outcome.as_str()])
-            .inc();
+        self.sweeps.add(tenant, outcome.as_str(), 1.0);
         self.sweep_duration
             .with_label_values(&[outcome.as_str()])
             .observe(took.as_secs_f64());
@@ -377,9 +361,7 @@ impl Metrics {
 
     /// `rows` of `tenant` were confirmed and marked published.
     pub fn count_published(&self, tenant: &str, rows: usize) {
-        self.published
-            .with_label_values(&[self.label(tenant)])
-            .inc_by(rows as u64);
+        self.published.add(self.label(tenant), "", rows as f64);
     }
 
     /// One row's broker confirm time minus its `occurred_at` (0 when that is
@@ -391,8 +373,7 @@ impl Metrics {
 
     pub fn failure(&self, tenant: &str, reason: FailureReason) {
         self.publish_failures
-            .with_label_values(&[self.label(tenant), reason.as_str()])
-            .inc();
+            .add(self.label(tenant), reason.as_str(), 1.0);
     }
 
     /// How long `tenant`'s oldest pending row has waited, from the poll (see
@@ -411,15 +392,11 @@ impl Metrics {
             if label == OVERFLOW && tenant != OVERFLOW {
                 overflow = Some(overflow.unwrap_or(0).max(lag_ms));
             } else {
-                self.lag
-                    .with_label_values(&[label])
-                    .set(lag_ms as f64 / 1000.0);
+                self.lag.set(label, lag_ms as f64 / 1000.0);
             }
         }
         if let Some(lag_ms) = overflow {
-            self.lag
-                .with_label_values(&[OVERFLOW])
-                .set(lag_ms as f64 / 1000.0);
+            self.lag.set(OVERFLOW, lag_ms as f64 / 1000.0);
         }
     }
 
@@ -439,9 +416,7 @@ impl Metrics {
                 .backoff
                 .insert(tenant.to_string());
         }
-        self.tenant_backoff
-            .with_label_values(&[tenant])
-            .set(delay.as_secs_f64());
+        self.tenant_backoff.set(tenant, delay.as_secs_f64());
     }
 
     pub fn set_amqp_connected(&self, connected: bool) {

@@ -84,6 +84,9 @@ pub struct Schedule {
     /// Tenants the poll or a notification names are added as they come
     /// (`tenants = "*"`); otherwise only the configured ones are known.
     discovers: bool,
+    /// Slots of forgotten tenants, for the next ones (see
+    /// [`Schedule::forget_idle`]); their name is `""` meanwhile.
+    free: Vec<usize>,
     backoff: Backoff,
 }
 
@@ -102,6 +105,7 @@ impl Schedule {
             backing_off: BTreeSet::new(),
             index: HashMap::new(),
             discovers: false,
+            free: Vec::new(),
             backoff,
         };
         for tenant in tenants {
@@ -120,8 +124,16 @@ impl Schedule {
     }
 
     fn add(&mut self, tenant: &str) -> usize {
-        let i = self.names.len();
         let name: Arc<str> = Arc::from(tenant);
+        if let Some(i) = self.free.pop() {
+            self.index.insert(name.clone(), i);
+            self.names[i] = name;
+            self.states[i] = State::Idle;
+            self.failures[i] = 0;
+            self.follow_up[i] = false;
+            return i;
+        }
+        let i = self.names.len();
         self.index.insert(name.clone(), i);
         self.names.push(name);
         self.states.push(State::Idle);
@@ -129,6 +141,36 @@ impl Schedule {
         self.follow_up.push(false);
         self.enqueued.push(0);
         i
+    }
+
+    /// Forgets the discovered tenants that wait for nothing (idle, no
+    /// failure counted, no follow-up) unless `keep` names them: a tenant
+    /// that wrote once is not remembered for the relay's life. With
+    /// `tenants = "*"` and a new tenant per customer, the schedule so holds
+    /// the tenants with work, not every tenant ever seen. A forgotten tenant
+    /// comes back as new when the poll or a notification names it. Returns
+    /// how many it forgot.
+    pub fn forget_idle(&mut self, keep: impl Fn(&str) -> bool) -> usize {
+        if !self.discovers {
+            return 0;
+        }
+        let empty: Arc<str> = Arc::from("");
+        let mut forgotten = 0;
+        for i in 0..self.names.len() {
+            if self.states[i] != State::Idle
+                || self.failures[i] != 0
+                || self.follow_up[i]
+                || self.index.get(&self.names[i]) != Some(&i)
+                || keep(&self.names[i])
+            {
+                continue;
+            }
+            self.index.remove(&self.names[i]);
+            self.names[i] = empty.clone();
+            self.free.push(i);
+            forgotten += 1;
+        }
+        forgotten
     }
 
     pub fn name(&self, tenant: usize) -> &Arc<str> {
@@ -336,12 +378,13 @@ impl Schedule {
         self.fresh.len() + self.busy.len()
     }
 
+    /// Tenants known (configured, or discovered and not forgotten).
     pub fn len(&self) -> usize {
-        self.names.len()
+        self.names.len() - self.free.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.names.is_empty()
+        self.len() == 0
     }
 }
 
@@ -752,6 +795,7 @@ impl Scheduler {
             });
             self.cycle += 1;
         }
+        let forget_due = last_page;
         for tenant in &emptied {
             self.relay.lag.observe(tenant, None, 0, now);
             lags.push((tenant.as_str(), 0));
@@ -779,6 +823,11 @@ impl Scheduler {
         let due_len = due.len() + taken.len();
         self.schedule.pending(due);
         self.schedule.taken_over(taken);
+        if forget_due {
+            let pending = &self.last_pending;
+            self.schedule
+                .forget_idle(|tenant| pending.contains_key(tenant));
+        }
         tracing::debug!(
             pending = pending.len(),
             due = due_len,
@@ -976,6 +1025,44 @@ mod tests {
         assert_eq!(s.tenant("new"), Some(t), "known once");
         assert_eq!(s.len(), 2);
         assert_eq!(tenants(1).tenant("other"), None, "configured tenants only");
+    }
+
+    #[test]
+    fn discovered_tenants_that_wait_for_nothing_are_forgotten_and_their_slots_reused() {
+        let mut s = Schedule::discovering(Backoff::new(
+            Duration::from_millis(100),
+            Duration::from_millis(1000),
+        ));
+        let now = Instant::now();
+        s.pending(ids(["done", "failing", "pending", "queued"]));
+        for _ in 0..2 {
+            let t = s.next_ready().unwrap();
+            let outcome = if &**s.name(t) == "failing" {
+                Outcome::Failed
+            } else {
+                Outcome::Idle
+            };
+            s.finished(t, outcome, now);
+        }
+        // "pending" was swept and the poll still finds it pending (kept by
+        // the caller); "queued" waits in the queue.
+        let pending = s.next_ready().unwrap();
+        assert_eq!(&**s.name(pending), "pending");
+        s.finished(pending, Outcome::Idle, now);
+        assert_eq!(s.forget_idle(|t| t == "pending"), 1, "only \"done\"");
+        assert_eq!(s.len(), 3);
+        // A new tenant takes the forgotten slot; the forgotten one comes
+        // back as new when named again.
+        let slots = s.names.len();
+        s.tenant("newcomer").unwrap();
+        assert_eq!(s.names.len(), slots, "the slot was reused");
+        let again = s.tenant("done").unwrap();
+        assert_eq!(&**s.name(again), "done");
+        assert_eq!(s.len(), 5);
+        // Configured tenants are never forgotten.
+        let mut listed = tenants(2);
+        assert_eq!(listed.forget_idle(|_| false), 0);
+        assert_eq!(listed.len(), 2);
     }
 
     #[test]
