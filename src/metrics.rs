@@ -41,7 +41,7 @@ pub const DELIVERY_DELAY_MAX: Duration = Duration::from_secs(24 * 60 * 60);
 /// theirs, their back-off the last one set).
 pub const OVERFLOW: &str = "~overflow";
 
-/// Which tenants have series of their own, and which have a back-off series.
+/// Which tenants have series of their own.
 #[derive(Debug, Default)]
 struct Labels {
     /// `max_tenants`, when tenants are discovered; none: every tenant.
@@ -49,9 +49,6 @@ struct Labels {
     own: HashSet<String>,
     /// Warned that tenants went past the cap.
     warned: bool,
-    backoff: HashSet<String>,
-    /// Tenants with a parked-rows series.
-    parked: HashSet<String>,
 }
 
 /// The relay's metrics.
@@ -280,18 +277,10 @@ impl Metrics {
         for (tenant, count) in counts {
             *totals.entry(self.label(tenant)).or_default() += count;
         }
-        let mut labels = self.labels.lock().unwrap_or_else(PoisonError::into_inner);
-        let shown = &mut labels.parked;
-        for tenant in shown.iter() {
-            if !totals.contains_key(tenant.as_str()) {
-                self.parked.set(tenant, 0.0);
-            }
-        }
+        self.parked
+            .zero_unless(|tenant| totals.contains_key(tenant));
         for (tenant, count) in totals {
             self.parked.set(tenant, count as f64);
-            if !shown.contains(tenant) {
-                shown.insert(tenant.to_string());
-            }
         }
     }
 
@@ -404,17 +393,8 @@ impl Metrics {
     /// exists from its first back-off.
     pub fn set_backoff(&self, tenant: &str, delay: Duration) {
         let tenant = self.label(tenant);
-        if delay.is_zero() {
-            let labels = self.labels.lock().unwrap_or_else(PoisonError::into_inner);
-            if !labels.backoff.contains(tenant) {
-                return;
-            }
-        } else {
-            self.labels
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .backoff
-                .insert(tenant.to_string());
+        if delay.is_zero() && !self.tenant_backoff.contains(tenant) {
+            return;
         }
         self.tenant_backoff.set(tenant, delay.as_secs_f64());
     }

@@ -134,14 +134,20 @@ pub struct Relay {
 }
 
 impl Relay {
-    pub fn new(config: Arc<Config>, store: Store, publisher: Publisher, metrics: Metrics) -> Relay {
+    pub fn new(
+        config: Arc<Config>,
+        store: Store,
+        publisher: Publisher,
+        metrics: Metrics,
+        wakeups: Arc<Wakeups>,
+    ) -> Relay {
         metrics.set_max_lag(Duration::from_millis(config.max_lag_ms));
         // Every configured endpoint's series, at 0 until connected.
         metrics.set_amqp_endpoint(&config.amqp_url.addresses(), None);
         Relay {
             budget: ByteBudget::new(config.max_bytes_in_flight),
             budget_share: config.max_bytes_in_flight / config.concurrency,
-            wakeups: Arc::new(Wakeups::new(&config)),
+            wakeups,
             config,
             store,
             publisher,
@@ -166,9 +172,7 @@ impl Relay {
         let name = (config.wakeup == Wakeup::Poll).then(|| wakeups.application_name());
         let store = Store::named(&config, name)?;
         let publisher = Publisher::new(&config)?;
-        let mut relay = Relay::new(config, store, publisher, metrics);
-        relay.wakeups = wakeups;
-        Ok(relay)
+        Ok(Relay::new(config, store, publisher, metrics, wakeups))
     }
 
     /// How long ago the scheduler last turned.

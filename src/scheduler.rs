@@ -762,9 +762,8 @@ impl Scheduler {
                     cycle: self.cycle,
                 },
             );
-            if let Some(i) = self.schedule.tenant(tenant) {
-                in_page.insert(i);
-            }
+            let index = self.schedule.tenant(tenant);
+            in_page.extend(index);
             let queue = if self.relay.wakeups.sweeps_at_once(tenant, &self.members) {
                 &mut due
             } else if polls >= TAKEOVER_POLLS
@@ -777,9 +776,7 @@ impl Scheduler {
                 continue;
             };
             queue.push((tenant.as_str(), *oldest_id));
-            if let Some(i) = self.schedule.tenant(tenant) {
-                keep.insert(i);
-            }
+            keep.extend(index);
         }
         // At the end of a cycle, the tenants no page of it found were
         // emptied: their lag is 0 now.
@@ -795,7 +792,6 @@ impl Scheduler {
             });
             self.cycle += 1;
         }
-        let forget_due = last_page;
         for tenant in &emptied {
             self.relay.lag.observe(tenant, None, 0, now);
             lags.push((tenant.as_str(), 0));
@@ -823,7 +819,7 @@ impl Scheduler {
         let due_len = due.len() + taken.len();
         self.schedule.pending(due);
         self.schedule.taken_over(taken);
-        if forget_due {
+        if last_page {
             let pending = &self.last_pending;
             self.schedule
                 .forget_idle(|tenant| pending.contains_key(tenant));

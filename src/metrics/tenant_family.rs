@@ -88,6 +88,22 @@ impl TenantFamily {
         self.update(tenant, "", |old| *old = value);
     }
 
+    /// Whether `tenant` has a series in this family.
+    pub fn contains(&self, tenant: &str) -> bool {
+        self.values().contains_key(tenant)
+    }
+
+    /// Sets to 0 every series of a tenant `keep` does not name.
+    pub fn zero_unless(&self, keep: impl Fn(&str) -> bool) {
+        for (tenant, series) in self.values().iter_mut() {
+            if !keep(tenant) {
+                for (_, value) in series.iter_mut() {
+                    *value = 0.0;
+                }
+            }
+        }
+    }
+
     /// The series' value, if it exists.
     #[cfg(test)]
     pub fn get(&self, tenant: &str, second: &'static str) -> Option<f64> {
@@ -184,6 +200,11 @@ mod tests {
         gauge.set("t", 7.5);
         gauge.set("t", 2.5);
         assert_eq!(gauge.get("t", ""), Some(2.5));
+        assert!(gauge.contains("t") && !gauge.contains("u"));
+        gauge.set("u", 1.0);
+        gauge.zero_unless(|tenant| tenant == "u");
+        assert_eq!(gauge.get("t", ""), Some(0.0), "kept, at 0");
+        assert_eq!(gauge.get("u", ""), Some(1.0));
         assert_eq!(gauge.collect()[0].get_metric()[0].get_label().len(), 1);
     }
 }
