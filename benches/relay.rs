@@ -920,7 +920,7 @@ async fn database_ceiling(rows: u64, size: usize, batch_size: u64) -> f64 {
     let mut done = 0u64;
     loop {
         let claim = store
-            .claim(&names[0], config.max_bytes_in_flight)
+            .claim(&names[0], config.max_bytes_in_flight, i64::MIN)
             .await
             .expect("claim")
             .expect("taken");

@@ -35,6 +35,11 @@ enum Command {
         /// psql script) instead of applying them; connects to nothing.
         #[arg(long)]
         print: bool,
+        /// The second step of the writer lock: move the table's writers to
+        /// the shared lock, in which they never wait for each other. Take it
+        /// once no relay older than migration 0005 reads the table.
+        #[arg(long)]
+        finish: bool,
     },
     /// Print the effective configuration (secrets redacted) and exit.
     CheckConfig,
@@ -135,13 +140,20 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_FATAL);
         }
     };
-    if let Command::Migrate { print: true } = command {
+    if let Command::Migrate {
+        print: true,
+        finish,
+    } = command
+    {
         // stdout is the script: no log lines there.
         warn_unknown_env_on_stderr(&loaded);
-        print!(
-            "{}",
-            migrate::script(&loaded.config.schema, &loaded.config.table)
-        );
+        let (schema, table) = (&loaded.config.schema, &loaded.config.table);
+        let script = if finish {
+            migrate::finish_script(schema, table)
+        } else {
+            migrate::script(schema, table)
+        };
+        print!("{script}");
         return ExitCode::SUCCESS;
     }
     if let Command::Tail { routing_key, json } = &command {
@@ -177,7 +189,7 @@ fn main() -> ExitCode {
     warn_unknown_env(&loaded);
     let result = runtime.block_on(async move {
         match command {
-            Command::Migrate { .. } => migrate_once(loaded.config).await,
+            Command::Migrate { finish, .. } => migrate_once(loaded.config, finish).await,
             _ => outbox_relay::run(loaded.config, shutdown::signal())
                 .await
                 .map_err(anyhow::Error::from),
@@ -204,12 +216,15 @@ fn warn_unknown_env(loaded: &Loaded) {
 
 /// `migrate`: applies the migrations, then checks the `payload` column (an
 /// existing table keeps its own, which may be one the relay cannot send).
-async fn migrate_once(config: Config) -> anyhow::Result<()> {
+async fn migrate_once(config: Config, finish: bool) -> anyhow::Result<()> {
     use anyhow::Context;
     let store = store::Store::new(&config)?;
-    migrate::run(&store, &config)
-        .await
-        .context("cannot apply the migrations")?;
+    if finish {
+        migrate::finish(&store, &config).await
+    } else {
+        migrate::run(&store, &config).await
+    }
+    .context("cannot apply the migrations")?;
     store
         .check_payload_type()
         .await

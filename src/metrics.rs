@@ -65,6 +65,7 @@ pub struct Metrics {
     /// Written by the scheduler's poll alone.
     lag: Arc<TenantFamily>,
     tenant_backoff: Arc<TenantFamily>,
+    writer_wait: Arc<TenantFamily>,
     /// Written by the scheduler's poll alone.
     parked: Arc<TenantFamily>,
     amqp_connected: IntGauge,
@@ -132,6 +133,10 @@ impl Metrics {
         let lag = Arc::new(TenantFamily::gauge(
             "outbox_lag_seconds",
             "How long the tenant's oldest pending row has waited: its age by the database's clock, or how long the relay has seen it waiting, whichever is longer.",
+        ));
+        let writer_wait = Arc::new(TenantFamily::gauge(
+            "outbox_writer_wait_seconds",
+            "How long a tenant's rows have waited for writers in flight (transactions, prepared ones included, that took an id of the tenant and have not ended): 0 when none is waited for.",
         ));
         let tenant_backoff = Arc::new(TenantFamily::gauge(
             "outbox_tenant_backoff_seconds",
@@ -212,6 +217,7 @@ impl Metrics {
             Arc::new(delivery_delay.clone()),
             lag.clone(),
             tenant_backoff.clone(),
+            writer_wait.clone(),
             parked.clone(),
             Arc::new(amqp_connected.clone()),
             Arc::new(amqp_endpoint.clone()),
@@ -248,6 +254,7 @@ impl Metrics {
             delivery_delay,
             lag,
             tenant_backoff,
+            writer_wait,
             parked,
             amqp_connected,
             amqp_endpoint,
@@ -397,6 +404,16 @@ impl Metrics {
             return;
         }
         self.tenant_backoff.set(tenant, delay.as_secs_f64());
+    }
+
+    /// How long `tenant`'s rows have waited for its writers in flight (zero
+    /// when none). Its series exists from its first wait.
+    pub fn set_writer_wait(&self, tenant: &str, waited: Duration) {
+        let tenant = self.label(tenant);
+        if waited.is_zero() && !self.writer_wait.contains(tenant) {
+            return;
+        }
+        self.writer_wait.set(tenant, waited.as_secs_f64());
     }
 
     pub fn set_amqp_connected(&self, connected: bool) {

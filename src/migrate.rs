@@ -40,6 +40,17 @@ impl Migration {
     pub fn in_transaction(&self) -> bool {
         !self.sql.starts_with(NO_TRANSACTION)
     }
+
+    /// Whether it waits for table locks only briefly, and is tried again
+    /// (see [`LOCK_RETRY_MARK`]).
+    pub fn retries_locks(&self) -> bool {
+        self.sql.starts_with(LOCK_RETRY_MARK)
+    }
+
+    /// Its SQL for `schema`.`table`.
+    pub fn render(&self, schema: &str, table: &str) -> String {
+        render_mode(self.sql, schema, table, writer_mode(self.version))
+    }
 }
 
 /// The migrations, in order, embedded in the binary.
@@ -64,7 +75,43 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0004_pending_index",
         sql: include_str!("../migrations/0004_pending_index.sql"),
     },
+    Migration {
+        version: 5,
+        name: "0005_writer_lock",
+        sql: include_str!("../migrations/0005_writer_lock.sql"),
+    },
 ];
+
+/// The second step of the writer lock (`outbox-relay migrate --finish`): the
+/// trigger of 0005 re-created in the shared mode, in which writers never
+/// wait for each other. Not in [`MIGRATIONS`]: older relays rely on the
+/// exclusive mode, so it is taken only once none reads the table (or at once
+/// for a table `migrate` creates: see [`run`]).
+pub const FINISH: Migration = Migration {
+    version: 6,
+    name: "0006_writers_shared",
+    sql: include_str!("../migrations/0005_writer_lock.sql"),
+};
+
+/// The writers' lock mode a migration installs: shared for [`FINISH`],
+/// exclusive (as older relays need) for the rest.
+fn writer_mode(version: i32) -> &'static str {
+    if version == FINISH.version {
+        "shared"
+    } else {
+        "exclusive"
+    }
+}
+
+/// The first line of a migration whose DDL must not hold writers: it runs
+/// with a short `lock_timeout` ([`RETRY_LOCK_TIMEOUT`]) and is tried again
+/// (its whole transaction) while the table is busy, for up to
+/// [`MIGRATION_TIMEOUT`]. `DROP`/`CREATE TRIGGER` queue behind the writers in
+/// flight, and every new writer queues behind them meanwhile.
+pub const LOCK_RETRY_MARK: &str = "-- outbox-relay: lock-retry";
+const RETRY_LOCK_TIMEOUT: &str = "100ms";
+/// lock_not_available: the lock_timeout ran out.
+const LOCK_NOT_AVAILABLE: &str = "55P03";
 
 /// Creates the record of applied migrations (in the configured schema).
 const RECORD_TABLE: &str = include_str!("migrate/record.sql");
@@ -119,6 +166,11 @@ const NO_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(16 * 60);
 /// `{channel_literal}`). One pass: what is substituted is never read again,
 /// so a name holding a placeholder's text stays as it is.
 pub fn render(sql: &str, schema: &str, table: &str) -> String {
+    render_mode(sql, schema, table, "exclusive")
+}
+
+/// As [`render`], with `{writer_mode_literal}` the writers' lock mode.
+fn render_mode(sql: &str, schema: &str, table: &str, writer_mode: &str) -> String {
     let replacements = [
         (
             "outbox_message_pending_unparked",
@@ -143,6 +195,7 @@ pub fn render(sql: &str, schema: &str, table: &str) -> String {
             "{channel_literal}",
             quote_literal(&wakeup_channel(schema, table)),
         ),
+        ("{writer_mode_literal}", quote_literal(writer_mode)),
     ];
     let mut out = String::with_capacity(sql.len());
     let mut rest = sql;
@@ -217,16 +270,33 @@ fn transaction_header(schema: &str) -> String {
 /// Applies every migration not yet recorded for the configured table, each in
 /// its own transaction (or statement by statement when marked), and records
 /// it. Logs what ran, or that the table was up to date.
+/// A table whose commit-order trigger this run created (0002 applied now, so
+/// no writer ever took the exclusive lock and no older relay can rely on it)
+/// is finished at once: its writers take the shared lock from the start.
 pub async fn run(store: &Store, config: &Config) -> Result<(), StoreError> {
-    apply(store, config, MIGRATIONS).await
+    let applied = apply(store, config, MIGRATIONS).await?;
+    if applied.contains(&2) {
+        apply(store, config, &[FINISH]).await?;
+    }
+    Ok(())
 }
 
-/// As [`run`], for any list of migrations (tests give their own).
+/// `outbox-relay migrate --finish`: every migration, then [`FINISH`], which
+/// moves the table's writers to the shared lock. Take it once no relay older
+/// than 0005 reads the table (see docs/operations.md).
+pub async fn finish(store: &Store, config: &Config) -> Result<(), StoreError> {
+    apply(store, config, MIGRATIONS).await?;
+    apply(store, config, &[FINISH]).await?;
+    Ok(())
+}
+
+/// As [`run`], for any list of migrations (tests give their own). Returns the
+/// versions this call applied.
 pub async fn apply(
     store: &Store,
     config: &Config,
     migrations: &[Migration],
-) -> Result<(), StoreError> {
+) -> Result<Vec<i32>, StoreError> {
     // A connection of its own, closed when done: nothing a migration sets in
     // the session, nor its session lock, goes back to the pool.
     let mut client = Object::take(store.connection().await?);
@@ -236,7 +306,7 @@ pub async fn apply(
         prepare(&mut client, config),
     )
     .await?;
-    let mut applied = 0;
+    let mut applied = Vec::new();
     for migration in migrations {
         if recorded.contains(&migration.version) {
             continue;
@@ -257,14 +327,14 @@ pub async fn apply(
             .await?
         };
         if ran {
-            applied += 1;
+            applied.push(migration.version);
             tracing::info!(schema = %config.schema, table = %config.table, "applied {}", migration.name);
         }
     }
-    if applied == 0 {
+    if applied.is_empty() {
         tracing::info!(schema = %config.schema, table = %config.table, "migrations up to date");
     }
-    Ok(())
+    Ok(applied)
 }
 
 /// Takes the table's migrators' lock for the session (see
@@ -321,8 +391,35 @@ async fn prepare(client: &mut ClientWrapper, config: &Config) -> Result<BTreeSet
 }
 
 /// Applies and records `migration` in one transaction, unless another
-/// migrator recorded it first. Returns whether it ran.
+/// migrator recorded it first. Returns whether it ran. One marked with
+/// [`LOCK_RETRY_MARK`] waits for table locks only briefly, and is tried
+/// again until [`MIGRATION_TIMEOUT`] (of the caller) ends it.
 async fn apply_in_transaction(
+    client: &mut ClientWrapper,
+    config: &Config,
+    migration: &Migration,
+) -> Result<bool, StoreError> {
+    let mut attempts: u64 = 0;
+    loop {
+        match try_in_transaction(client, config, migration).await {
+            Err(error)
+                if migration.retries_locks() && error.sqlstate() == Some(LOCK_NOT_AVAILABLE) =>
+            {
+                attempts += 1;
+                if attempts == 1 || attempts % 50 == 0 {
+                    tracing::info!(
+                        schema = %config.schema, table = %config.table, attempts,
+                        "{} waits for the table's writers in flight; trying again", migration.name
+                    );
+                }
+                tokio::time::sleep(LOCK_RETRY).await;
+            }
+            result => return result,
+        }
+    }
+}
+
+async fn try_in_transaction(
     client: &mut ClientWrapper,
     config: &Config,
     migration: &Migration,
@@ -334,7 +431,13 @@ async fn apply_in_transaction(
         tx.rollback().await?;
         return Ok(false);
     }
-    tx.batch_execute(&render(migration.sql, &config.schema, &config.table))
+    if migration.retries_locks() {
+        tx.batch_execute(&format!(
+            "SET LOCAL lock_timeout = '{RETRY_LOCK_TIMEOUT}'"
+        ))
+        .await?;
+    }
+    tx.batch_execute(&migration.render(&config.schema, &config.table))
         .await?;
     record(&*tx, config, migration).await?;
     tx.commit().await?;
@@ -392,7 +495,7 @@ async fn apply_outside_transaction(
         .await?
         .try_get::<_, bool>(0)?;
     let at_once = partitioned || empty;
-    for statement in statements(&render(migration.sql, &config.schema, &config.table)) {
+    for statement in statements(&migration.render(&config.schema, &config.table)) {
         if let Some(index) = concurrent_index_name(&statement) {
             drop_invalid_index(client, &config.schema, &index).await?;
         }
@@ -483,6 +586,12 @@ pub fn script(schema: &str, table: &str) -> String {
     script_of(MIGRATIONS, schema, table)
 }
 
+/// `outbox-relay migrate --finish --print`: the second step alone (see
+/// [`FINISH`]), for a table the script of [`script`] upgraded.
+pub fn finish_script(schema: &str, table: &str) -> String {
+    script_of(&[FINISH], schema, table)
+}
+
 fn script_of(migrations: &[Migration], schema: &str, table: &str) -> String {
     let mut out = format!(
         "-- outbox-relay {}: the migrations of {}.{}\n\
@@ -500,7 +609,7 @@ fn script_of(migrations: &[Migration], schema: &str, table: &str) -> String {
         schema_ident = quote_ident(schema)
     );
     for migration in migrations {
-        let sql = render(migration.sql, schema, table);
+        let sql = migration.render(schema, table);
         let record = format!(
             "INSERT INTO outbox_relay_migrations (table_name, version, name)\n    \
              VALUES ({}, {}, {}) ON CONFLICT DO NOTHING;\n",

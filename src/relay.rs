@@ -43,6 +43,11 @@ pub enum SweepOutcome {
     Published { rows: usize },
     /// Fewer rows than a batch (maybe none): wait for the poll.
     Idle { rows: usize },
+    /// Fewer rows than a batch (maybe none) went out, and a writer of the
+    /// tenant was in flight at the claim: rows above the safe bound wait
+    /// until the writers in flight then have ended (the scheduler checks,
+    /// and sweeps the tenant again). Counted as `idle`.
+    Deferred { rows: usize, position: i64 },
     /// Another relay holds the tenant.
     Skipped,
     /// Row `id` was refused for its own sake (`too_large`, `invalid`), its
@@ -58,7 +63,7 @@ impl SweepOutcome {
     pub fn kind(&self) -> Outcome {
         match self {
             SweepOutcome::Published { .. } | SweepOutcome::Parked { .. } => Outcome::Published,
-            SweepOutcome::Idle { .. } => Outcome::Idle,
+            SweepOutcome::Idle { .. } | SweepOutcome::Deferred { .. } => Outcome::Idle,
             SweepOutcome::Skipped => Outcome::Skipped,
             SweepOutcome::Failed(_) => Outcome::Failed,
         }
@@ -199,26 +204,30 @@ impl Relay {
     }
 
     /// One sweep of one tenant: claim, publish, settle. Records its metrics;
-    /// the caller decides when to sweep again.
-    pub async fn sweep(&self, tenant: &str) -> SweepOutcome {
+    /// the caller decides when to sweep again. `safe`: an id bound below
+    /// which every writer of the tenant has ended, as the caller last found
+    /// (see [`Store::claim`]; `i64::MIN` when none is known).
+    pub async fn sweep(&self, tenant: &str, safe: i64) -> SweepOutcome {
         let started = Instant::now();
-        let outcome = self.claim_publish_settle(tenant).await;
+        let outcome = self.claim_publish_settle(tenant, safe).await;
         self.metrics
             .sweep_finished(tenant, outcome.kind(), started.elapsed());
         outcome
     }
 
-    async fn claim_publish_settle(&self, tenant: &str) -> SweepOutcome {
-        // Claim: the tenant's advisory lock and its oldest pending rows, as
-        // many as its share of the byte budget holds (kept until settled).
-        let (mut claim, mut budget) = match self.claim_within_budget(tenant).await {
+    async fn claim_publish_settle(&self, tenant: &str, safe: i64) -> SweepOutcome {
+        // Claim: the tenant's advisory lock and its oldest pending rows up to
+        // the fence, as many as its share of the byte budget holds (kept
+        // until settled).
+        let (mut claim, mut budget) = match self.claim_within_budget(tenant, safe).await {
             Ok(Some(claimed)) => claimed,
             Ok(None) => return SweepOutcome::Skipped,
             Err(error) => return SweepOutcome::Failed(error.into()),
         };
+        let fence = claim.writers().then_some(claim.position());
         if claim.rows().is_empty() {
             return match claim.rollback().await {
-                Ok(()) => SweepOutcome::Idle { rows: 0 },
+                Ok(()) => idle(0, fence),
                 Err(error) => SweepOutcome::Failed(error.into()),
             };
         }
@@ -291,7 +300,7 @@ impl Relay {
             );
             drop(budget);
             return match settled {
-                Ok(settled) => self.settled(tenant, settled, full, report, earlier),
+                Ok(settled) => self.settled(tenant, settled, full, report, earlier, fence),
                 Err(error) => {
                     earlier.add(report.confirmed(), Vec::new(), &confirmed_ids);
                     self.settle_again(tenant, earlier, error).await
@@ -409,9 +418,10 @@ impl Relay {
     async fn claim_within_budget(
         &self,
         tenant: &str,
+        safe: i64,
     ) -> Result<Option<(Claim, Reservation)>, StoreError> {
         let mut budget = self.budget.reserve(self.budget_share).await;
-        let Some(mut claim) = self.store.claim(tenant, budget.bytes()).await? else {
+        let Some(mut claim) = self.store.claim(tenant, budget.bytes(), safe).await? else {
             return Ok(None);
         };
         if let Some(cost) = claim.withheld() {
@@ -433,6 +443,7 @@ impl Relay {
         full: bool,
         report: BatchReport,
         earlier: Earlier,
+        fence: Option<i64>,
     ) -> SweepOutcome {
         let published = earlier.published + report.confirmed();
         self.metrics.count_published(tenant, published);
@@ -467,8 +478,18 @@ impl Relay {
                 })
             }
             None if full => SweepOutcome::Published { rows: published },
-            None => SweepOutcome::Idle { rows: published },
+            None => idle(published, fence),
         }
+    }
+}
+
+/// A sweep that published less than a batch: idle, or deferred when writers
+/// of the tenant were in flight at its claim (`fence`: where the id sequence
+/// stood then).
+fn idle(rows: usize, fence: Option<i64>) -> SweepOutcome {
+    match fence {
+        Some(position) => SweepOutcome::Deferred { rows, position },
+        None => SweepOutcome::Idle { rows },
     }
 }
 

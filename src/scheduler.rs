@@ -35,7 +35,7 @@ use crate::backoff::Backoff;
 use crate::domain::Outcome;
 use crate::relay::{Relay, SweepFailure, SweepOutcome};
 use crate::shutdown::Shutdown;
-use crate::store::{self, Page, PendingTenant, StoreError};
+use crate::store::{self, Page, PendingTenant, StoreError, Writers};
 
 /// Where a tenant is in the schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +49,9 @@ enum State {
     Running,
     /// Failed; ready again at this instant.
     Backoff(Instant),
+    /// Its last sweep met writers of the tenant in flight: it waits until
+    /// the writers' check finds them ended (see [`Scheduler::checked`]).
+    Deferred,
 }
 
 /// The pure part of scheduling: tenant states, the ready queues, back-off.
@@ -67,6 +70,9 @@ pub struct Schedule {
     names: Vec<Arc<str>>,
     states: Vec<State>,
     failures: Vec<u32>,
+    /// The id bound below which every writer of the tenant has ended, as the
+    /// writers' check last found (`i64::MIN`: none known yet).
+    safe: Vec<i64>,
     /// Notified while running: swept once more when the running sweep ends.
     follow_up: Vec<bool>,
     /// When each tenant last joined a ready queue, counted in enqueues.
@@ -96,6 +102,7 @@ impl Schedule {
             names: Vec::new(),
             states: Vec::new(),
             failures: Vec::new(),
+            safe: Vec::new(),
             follow_up: Vec::new(),
             enqueued: Vec::new(),
             queued: 0,
@@ -130,6 +137,7 @@ impl Schedule {
             self.names[i] = name;
             self.states[i] = State::Idle;
             self.failures[i] = 0;
+            self.safe[i] = i64::MIN;
             self.follow_up[i] = false;
             return i;
         }
@@ -138,6 +146,7 @@ impl Schedule {
         self.names.push(name);
         self.states.push(State::Idle);
         self.failures.push(0);
+        self.safe.push(i64::MIN);
         self.follow_up.push(false);
         self.enqueued.push(0);
         i
@@ -281,8 +290,38 @@ impl Schedule {
                 true
             }
             State::Running => !std::mem::replace(&mut self.follow_up[tenant], true),
-            State::Ready | State::Backoff(_) => false,
+            State::Ready | State::Backoff(_) | State::Deferred => false,
         }
+    }
+
+    /// The tenant's last sweep met writers in flight: it waits for the
+    /// writers' check (a notification meanwhile changes nothing: the check
+    /// readies it once they have ended).
+    pub fn defer(&mut self, tenant: usize) {
+        self.failures[tenant] = 0;
+        self.follow_up[tenant] = false;
+        self.states[tenant] = State::Deferred;
+    }
+
+    /// The id bound below which every writer of `tenant` has ended, as last
+    /// found (`i64::MIN` when none is known).
+    pub fn safe(&self, tenant: usize) -> i64 {
+        self.safe[tenant]
+    }
+
+    /// The writers' check found every id of `tenant` up to `safe` committed
+    /// or gone: a deferred tenant is ready again.
+    pub fn cleared(&mut self, tenant: usize, safe: i64) {
+        self.safe[tenant] = self.safe[tenant].max(safe);
+        if self.states[tenant] == State::Deferred {
+            self.states[tenant] = State::Ready;
+            self.push_fresh(tenant);
+        }
+    }
+
+    /// Whether `tenant` waits for the writers' check.
+    pub fn is_deferred(&self, tenant: usize) -> bool {
+        self.states[tenant] == State::Deferred
     }
 
     /// Moves tenants whose back-off has passed to the ready queue; returns
@@ -444,6 +483,34 @@ struct Polled {
 /// first after a page that was not full (a cycle).
 pub const POLL_PAGE: usize = 10_000;
 
+/// The writers' check in flight (see [`Store::writers`]): the tenants it asked
+/// about, and its answer.
+///
+/// [`Store::writers`]: crate::store::Store::writers
+type WritersCheck =
+    Pin<Box<dyn Future<Output = (Vec<usize>, Result<Writers, StoreError>)> + Send>>;
+
+/// The writers' check runs at most this often while tenants wait for it ...
+pub const WRITERS_CHECK_MIN: Duration = Duration::from_millis(1);
+/// ... and at least this often; in between, a quarter of how long the
+/// youngest wait has lasted: a busy tenant's writers end within milliseconds,
+/// a long transaction (or a prepared one left open) is looked at less and
+/// less often.
+pub const WRITERS_CHECK_MAX: Duration = Duration::from_millis(100);
+
+/// A deferred tenant's wait for its writers in flight.
+#[derive(Debug)]
+struct Candidate {
+    /// Where the id sequence stood at the check that found `holders` (none
+    /// before the first check).
+    position: Option<i64>,
+    /// The transactions that held the tenant's writers' lock then: once all
+    /// have ended, every id up to `position` is committed or gone.
+    holders: Vec<String>,
+    /// Since when the tenant has waited.
+    since: Instant,
+}
+
 /// What the polls last found of a pending tenant.
 #[derive(Debug, Clone, Copy)]
 struct Seen {
@@ -476,6 +543,10 @@ pub async fn run(relay: Arc<Relay>, shutdown: Shutdown) {
             }
             _ = broker.changed() => {}
             () = wakeups.arrived() => scheduler.woken(Instant::now()),
+            checked = async { scheduler.writers_check.as_mut().expect("guarded by the branch condition").await }, if scheduler.writers_check.is_some() => {
+                scheduler.writers_check = None;
+                scheduler.checked(checked);
+            }
             () = tokio::time::sleep_until(wake_at) => {}
         }
     }
@@ -520,6 +591,11 @@ struct Scheduler {
     /// The last poll found this relay among the members: it knows which
     /// tenants are its own.
     member: bool,
+    /// Deferred tenants' waits for their writers in flight.
+    candidates: HashMap<usize, Candidate>,
+    writers_check: Option<WritersCheck>,
+    /// The next writers' check is not due before.
+    next_check: Instant,
 }
 
 impl Scheduler {
@@ -552,6 +628,9 @@ impl Scheduler {
             last_poll_took: Duration::ZERO,
             poll_mark: 0,
             member: false,
+            candidates: HashMap::new(),
+            writers_check: None,
+            next_check: Instant::now(),
         }
     }
 
@@ -584,6 +663,9 @@ impl Scheduler {
                 limit: POLL_PAGE,
             };
             self.poll = Some(Box::pin(async move {
+                if check {
+                    relay.store.check_sequence().await?;
+                }
                 let payload_checked = !check || relay.store.check_payload_type().await?;
                 let listeners = relay.wakeups.members_pattern();
                 let found = relay.store.pending_tenants(&listeners, &page).await?;
@@ -594,6 +676,20 @@ impl Scheduler {
                 })
             }));
             self.next_poll = now + poll_interval;
+        }
+        if self.writers_check.is_none() && !self.candidates.is_empty() && now >= self.next_check
+        {
+            let tenants: Vec<usize> = self.candidates.keys().copied().collect();
+            let names: Vec<Arc<str>> = tenants
+                .iter()
+                .map(|&t| self.schedule.name(t).clone())
+                .collect();
+            let relay = self.relay.clone();
+            self.writers_check = Some(Box::pin(async move {
+                let names: Vec<&str> = names.iter().map(|name| &**name).collect();
+                let found = relay.store.writers(&names).await;
+                (tenants, found)
+            }));
         }
         for woken in self.schedule.wake(now) {
             self.relay
@@ -606,8 +702,9 @@ impl Scheduler {
                     break;
                 };
                 let name = self.schedule.name(tenant).clone();
+                let safe = self.schedule.safe(tenant);
                 let relay = self.relay.clone();
-                let handle = self.sweeps.spawn(async move { relay.sweep(&name).await });
+                let handle = self.sweeps.spawn(async move { relay.sweep(&name, safe).await });
                 self.running.insert(handle.id(), tenant);
             }
         }
@@ -615,7 +712,9 @@ impl Scheduler {
         self.relay.set_tenants_waiting(self.schedule.has_ready());
         // While a poll runs, its answer wakes the loop; the next one is not due before.
         let poll_due = self.poll.is_none().then_some(self.next_poll);
-        [self.schedule.next_wake(), poll_due]
+        let check_due = (self.writers_check.is_none() && !self.candidates.is_empty())
+            .then_some(self.next_check);
+        [self.schedule.next_wake(), poll_due, check_due]
             .into_iter()
             .flatten()
             .min()
@@ -656,6 +755,25 @@ impl Scheduler {
         };
         let name = self.schedule.name(tenant).clone();
         report(&name, &outcome);
+        match outcome {
+            SweepOutcome::Deferred { .. } => {
+                self.schedule.defer(tenant);
+                let now = Instant::now();
+                self.candidates.entry(tenant).or_insert(Candidate {
+                    position: None,
+                    holders: Vec::new(),
+                    since: now,
+                });
+                self.next_check = self.next_check.min(now + WRITERS_CHECK_MIN);
+                return;
+            }
+            SweepOutcome::Idle { .. } => {
+                if self.candidates.remove(&tenant).is_some() {
+                    self.relay.metrics.set_writer_wait(&name, Duration::ZERO);
+                }
+            }
+            _ => {}
+        }
         let delay = if outcome.is_outage() {
             self.schedule.interrupted(tenant);
             Duration::ZERO
@@ -837,6 +955,56 @@ impl Scheduler {
         );
     }
 
+    /// The writers' check answered: a deferred tenant whose writers in flight
+    /// (as an earlier check found them) have all ended is ready again, with
+    /// that check's position as its safe bound; one with no writer in flight
+    /// now, with this check's. The next check is paced by the youngest wait.
+    fn checked(&mut self, (tenants, found): (Vec<usize>, Result<Writers, StoreError>)) {
+        let now = Instant::now();
+        let writers = match found {
+            Ok(writers) => writers,
+            Err(error) => {
+                tracing::debug!(%error, "the writers' check failed; trying again at the next poll interval");
+                self.next_check = now + self.relay.config.poll_interval();
+                return;
+            }
+        };
+        for (tenant, holders) in tenants.into_iter().zip(writers.tenants) {
+            let Some(candidate) = self.candidates.get_mut(&tenant) else {
+                continue;
+            };
+            let name = self.schedule.name(tenant).clone();
+            if holders.is_empty() {
+                self.candidates.remove(&tenant);
+                self.schedule.cleared(tenant, writers.position);
+                self.relay.metrics.set_writer_wait(&name, Duration::ZERO);
+            } else if let Some(position) = candidate.position
+                && candidate.holders.iter().all(|held| !holders.contains(held))
+            {
+                *candidate = Candidate {
+                    position: Some(writers.position),
+                    holders,
+                    since: now,
+                };
+                self.schedule.cleared(tenant, position);
+                self.relay.metrics.set_writer_wait(&name, Duration::ZERO);
+            } else {
+                if candidate.position.is_none() {
+                    candidate.position = Some(writers.position);
+                    candidate.holders = holders;
+                }
+                self.relay
+                    .metrics
+                    .set_writer_wait(&name, now - candidate.since);
+            }
+        }
+        let youngest = self.candidates.values().map(|c| now - c.since).min();
+        self.next_check = now
+            + youngest.map_or(WRITERS_CHECK_MIN, |waited| {
+                (waited / 4).clamp(WRITERS_CHECK_MIN, WRITERS_CHECK_MAX)
+            });
+    }
+
     /// The database answered the poll, with rows or with an error.
     fn reachable(&mut self) {
         if self.database_up != Some(true) {
@@ -895,6 +1063,12 @@ fn report(tenant: &str, outcome: &SweepOutcome) {
     match outcome {
         SweepOutcome::Published { rows } => tracing::debug!(tenant, rows, "published a full batch"),
         SweepOutcome::Idle { rows } => tracing::debug!(tenant, rows, "swept"),
+        SweepOutcome::Deferred { rows, position } => tracing::debug!(
+            tenant,
+            rows,
+            position,
+            "swept up to the safe bound; waiting for the tenant's writers in flight"
+        ),
         SweepOutcome::Skipped => tracing::debug!(tenant, "held by another relay; skipped"),
         SweepOutcome::Parked { id, rows } => {
             tracing::debug!(tenant, row = id, rows, "parked a row; going on at once")

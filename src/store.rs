@@ -28,7 +28,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -75,6 +75,8 @@ const REQUEUE: &str = include_str!("store/requeue.sql");
 const REQUEUE_TENANT: &str = include_str!("store/requeue_tenant.sql");
 const DISCARD: &str = include_str!("store/discard.sql");
 const REPLAY_BATCH: &str = include_str!("store/replay_batch.sql");
+const SEQUENCE: &str = include_str!("store/sequence.sql");
+const WRITERS: &str = include_str!("store/writers.sql");
 
 /// The base types of `payload` that `payload::text` turns into the
 /// application's own encoding (as `format_type` names them).
@@ -109,6 +111,10 @@ pub enum StoreError {
         /// The column's declared type; `None` when there is no such column.
         found: Option<String>,
     },
+    /// The id sequence cannot give a safe bound for commit order (see
+    /// [`Store::check_sequence`]).
+    #[error("{0}")]
+    Sequence(String),
 }
 
 impl From<tokio_postgres::Error> for StoreError {
@@ -142,7 +148,7 @@ impl StoreError {
             | StoreError::Build(_)
             | StoreError::ReadOnly => true,
             StoreError::Query(error) => connection_lost(error),
-            StoreError::PayloadColumn { .. } => false,
+            StoreError::PayloadColumn { .. } | StoreError::Sequence(_) => false,
         }
     }
 
@@ -372,6 +378,25 @@ pub struct Store {
     claim_idle_ms: Arc<str>,
     batch_size: i64,
     max_payload_bytes: i64,
+    /// The id sequence's oid, as the last [`Store::check_sequence`] found it:
+    /// 0 when the id column draws from none, [`SEQUENCE_UNKNOWN`] before a
+    /// check said.
+    sequence: Arc<AtomicI64>,
+}
+
+/// Not checked yet (see [`Store::check_sequence`]).
+const SEQUENCE_UNKNOWN: i64 = -1;
+
+/// What the writers' check found (see `store/writers.sql`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Writers {
+    /// Where the id sequence stood just before the locks were read.
+    pub position: i64,
+    /// Every transaction holding a writers' lock of the table, any tenant.
+    pub all: Vec<String>,
+    /// For each tenant asked about, in order: the transactions holding its
+    /// writers' lock.
+    pub tenants: Vec<Vec<String>>,
 }
 
 /// The longest `subject_id` or `headers` (as JSON text) the batch read
@@ -621,6 +646,7 @@ impl Store {
             claim_idle_ms: config.claim_idle_timeout().as_millis().to_string().into(),
             batch_size: i64::try_from(config.batch_size).unwrap_or(i64::MAX),
             max_payload_bytes: i64::try_from(config.max_payload_bytes).unwrap_or(i64::MAX),
+            sequence: Arc::new(AtomicI64::new(SEQUENCE_UNKNOWN)),
         })
     }
 
@@ -683,8 +709,18 @@ impl Store {
     /// Opens a transaction, tries the tenant's advisory lock and reads its
     /// oldest pending rows, as many as fit `budget` bytes (at least one), all
     /// in one round trip. `Ok(None)`: another relay holds the tenant.
-    pub async fn claim(&self, tenant: &str, budget: usize) -> Result<Option<Claim>, StoreError> {
-        let claimed = self.claim_on_writable(tenant, budget).await;
+    ///
+    /// The rows stop at the claim's fence (see `store/claim.sql`): where the
+    /// id sequence stands when no writer of the tenant is in flight, else
+    /// `safe`, a bound the caller found safe earlier (see
+    /// [`Store::writers`]). [`Claim::writers`] says which.
+    pub async fn claim(
+        &self,
+        tenant: &str,
+        budget: usize,
+        safe: i64,
+    ) -> Result<Option<Claim>, StoreError> {
+        let claimed = self.claim_on_writable(tenant, budget, safe).await;
         self.dropping_idle_if_read_only(claimed)
     }
 
@@ -692,23 +728,29 @@ impl Store {
         &self,
         tenant: &str,
         budget: usize,
+        safe: i64,
     ) -> Result<Option<Claim>, StoreError> {
+        let sequence = self.sequence().await?;
         let mut claim = Claim {
             conn: Some(Arc::new(self.connection().await?)),
             store: self.clone(),
             tenant: tenant.into(),
             rows: Vec::new(),
             cut_by_budget: false,
+            writers: false,
+            position: 0,
             ahead: Mutex::new(MarksAhead::default()),
         };
         let client = claim.client();
         let work = async {
             let lock_key: &str = &self.lock_key;
             let idle_ms: &str = &self.claim_idle_ms;
-            let claim_params: [(&(dyn ToSql + Sync), Type); 3] = [
+            let claim_params: [(&(dyn ToSql + Sync), Type); 5] = [
                 (&lock_key, Type::TEXT),
                 (&tenant, Type::TEXT),
                 (&idle_ms, Type::TEXT),
+                (&sequence, Type::INT8),
+                (&safe, Type::INT8),
             ];
             // One round trip: the server runs them in order, in the
             // transaction BEGIN opens.
@@ -720,11 +762,13 @@ impl Store {
             begin?;
             let claimed = taken?;
             let (taken, read_only): (bool, bool) = (claimed.try_get(1)?, claimed.try_get(2)?);
-            Ok::<_, StoreError>((taken, read_only, batch?))
+            let fence = (claimed.try_get("writers")?, claimed.try_get("position")?);
+            Ok::<_, StoreError>((taken, read_only, fence, batch?))
         };
         let (
             taken,
             read_only,
+            (writers, position),
             Batch {
                 rows,
                 cut_by_budget,
@@ -740,7 +784,118 @@ impl Store {
         }
         claim.rows = rows;
         claim.cut_by_budget = cut_by_budget;
+        claim.writers = writers;
+        claim.position = position;
         Ok(Some(claim))
+    }
+
+    /// The id sequence's oid (0: none), checked first if no check has said.
+    async fn sequence(&self) -> Result<i64, StoreError> {
+        match self.sequence.load(Ordering::Relaxed) {
+            SEQUENCE_UNKNOWN => self.check_sequence().await,
+            known => Ok(known),
+        }
+    }
+
+    /// Checks the id sequence the fences read (see `store/sequence.sql`):
+    /// `CACHE 1`, a positive increment, no cycle, and readable by this role.
+    /// Returns its oid, 0 when the table (or its id column's sequence) does
+    /// not exist, in which case no fence holds rows back; an unfit sequence
+    /// is [`StoreError::Sequence`], and nothing may be relayed in order.
+    pub async fn check_sequence(&self) -> Result<i64, StoreError> {
+        let table = &self.statements().table;
+        let found = self
+            .query_all(
+                "the id sequence check",
+                SEQUENCE,
+                &[(table, Type::TEXT)],
+                |row| {
+                    Ok((
+                        row.try_get::<_, String>("sequence")?,
+                        row.try_get::<_, i64>("sequence_oid")?,
+                        row.try_get::<_, i64>("cache")?,
+                        row.try_get::<_, i64>("increment")?,
+                        row.try_get::<_, bool>("cycles")?,
+                        row.try_get::<_, bool>("readable")?,
+                    ))
+                },
+            )
+            .await?;
+        let Some((name, oid, cache, increment, cycles, readable)) = found.into_iter().next() else {
+            self.sequence.store(0, Ordering::Relaxed);
+            return Ok(0);
+        };
+        let unfit = if cache != 1 {
+            Some(format!(
+                "has CACHE {cache}: a draw shows the end of its session's cached range to every other session; fix: ALTER SEQUENCE {name} CACHE 1"
+            ))
+        } else if increment <= 0 {
+            Some(format!(
+                "has INCREMENT {increment}: ids must ascend; fix: ALTER SEQUENCE {name} INCREMENT 1"
+            ))
+        } else if cycles {
+            Some(format!(
+                "CYCLEs: an id may come round again; fix: ALTER SEQUENCE {name} NO CYCLE"
+            ))
+        } else if !readable {
+            Some(format!(
+                "cannot be read by this role; fix: GRANT SELECT ON SEQUENCE {name} TO <the relay's role>"
+            ))
+        } else {
+            None
+        };
+        if let Some(unfit) = unfit {
+            self.sequence.store(SEQUENCE_UNKNOWN, Ordering::Relaxed);
+            return Err(StoreError::Sequence(format!(
+                "the id sequence {name} of {table} {unfit}; the relay reads its position to keep each tenant's rows in commit order, so nothing is relayed until it is fixed"
+            )));
+        }
+        self.sequence.store(oid, Ordering::Relaxed);
+        Ok(oid)
+    }
+
+    /// Which transactions hold the writers' lock of each of `tenants` (and of
+    /// any tenant), and where the id sequence stood just before: one
+    /// statement (see `store/writers.sql`). Once every transaction named for
+    /// a tenant has ended, its ids up to the position are committed or gone.
+    pub async fn writers(&self, tenants: &[&str]) -> Result<Writers, StoreError> {
+        let sequence = self.sequence().await?;
+        if sequence == 0 {
+            return Ok(Writers {
+                position: i64::MAX,
+                all: Vec::new(),
+                tenants: vec![Vec::new(); tenants.len()],
+            });
+        }
+        let lock_key: &str = &self.lock_key;
+        let rows = self
+            .query_all(
+                "the writers check",
+                WRITERS,
+                &[
+                    (&lock_key, Type::TEXT),
+                    (&sequence, Type::INT8),
+                    (&tenants, Type::TEXT_ARRAY),
+                ],
+                |row| {
+                    Ok((
+                        row.try_get::<_, Option<String>>("tenant")?.is_none(),
+                        row.try_get::<_, Vec<String>>("holders")?,
+                        row.try_get::<_, Option<i64>>("position")?,
+                    ))
+                },
+            )
+            .await?;
+        let mut writers = Writers::default();
+        for (overall, holders, position) in rows {
+            if overall {
+                writers.all = holders;
+                writers.position = position.unwrap_or_default();
+            } else {
+                writers.tenants.push(holders);
+            }
+        }
+        Ok(writers)
     }
 
     /// The tenant's oldest pending rows after id `after`, as many as fit
@@ -1201,10 +1356,26 @@ pub struct Claim {
     rows: Vec<OutboxRow>,
     /// More rows were pending than the byte budget let the batch hold.
     cut_by_budget: bool,
+    /// A writer of the tenant was in flight at the claim: the rows stop at
+    /// the caller's safe bound, not at the sequence's position.
+    writers: bool,
+    /// Where the id sequence stood at the claim.
+    position: i64,
     ahead: Mutex<MarksAhead>,
 }
 
 impl Claim {
+    /// Whether a writer of the tenant was in flight at the claim, so that
+    /// rows above the caller's safe bound may wait (see [`Store::claim`]).
+    pub fn writers(&self) -> bool {
+        self.writers
+    }
+
+    /// Where the id sequence stood at the claim.
+    pub fn position(&self) -> i64 {
+        self.position
+    }
+
     fn client(&self) -> &Object {
         self.conn
             .as_ref()

@@ -4,7 +4,8 @@
 -- sweep's share of the budget, $5 = the longest subject_id or headers read,
 -- $6 = the id the batch starts after (the lowest bigint for a claim's first
 -- batch; the last id of the batch being published for the next one, read
--- ahead in the same transaction).
+-- ahead in the same transaction). No id past the claim's fence (see
+-- claim.sql): a lower id of the tenant may still be committed above it.
 --
 -- `tenant_id` is bounded by a range rather than `=`, and the order is written as
 -- (tenant_id, id): only the partial index (tenant_id, id) WHERE published_at IS
@@ -39,6 +40,7 @@ WITH batch AS (
     FROM {table}
     WHERE current_setting('outbox_relay.claimed', true) = 'true'
       AND tenant_id >= $1 AND tenant_id <= $1 AND published_at IS NULL AND id > $6::bigint
+      AND id <= current_setting('outbox_relay.fence')::bigint
       AND parked_at IS NULL -- lifecycle
     ORDER BY tenant_id, id
     LIMIT $2

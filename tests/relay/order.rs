@@ -41,19 +41,6 @@ async fn backend_pid(client: &Client) -> i32 {
         .get(0)
 }
 
-/// Whether the backend `pid` waits for an advisory lock (a writer queued
-/// behind another writer of its tenant).
-async fn waits_for_advisory_lock(observer: &Client, pid: i32) -> bool {
-    observer
-        .query_opt(
-            "SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock' AND wait_event = 'advisory'",
-            &[&pid],
-        )
-        .await
-        .expect("pg_stat_activity")
-        .is_some()
-}
-
 /// A small deterministic generator (xorshift), one per writer.
 fn generator(seed: u64) -> impl FnMut(u64) -> u64 {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -128,12 +115,14 @@ async fn interleaved_writers_arrive_in_commit_order() {
     outbox.drop_schema().await;
 }
 
-/// A transaction open with rows of two tenants holds back only later writers
-/// of those tenants: the relay sweeps them (their committed rows go out),
-/// another tenant's writers go on, and once it commits everything arrives in
-/// order.
+/// A transaction open with rows of two tenants holds back only the rows of
+/// those tenants with higher ids: a later writer of one of them inserts and
+/// commits at once (writers never wait for each other), its row waits
+/// pending while the relay sweeps what is committed below it and another
+/// tenant's rows, and once the open transaction commits everything arrives
+/// in id order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_transaction_writing_two_tenants_blocks_neither_the_relay_nor_other_tenants() {
+async fn a_transaction_writing_two_tenants_blocks_no_writer_and_holds_back_only_later_ids() {
     let outbox = Outbox::create().await;
     let broker = Broker::create(&["#"]).await;
     let relay = start_relay(config(&outbox, &broker, &["a", "b", "c"])).await;
@@ -141,43 +130,43 @@ async fn a_transaction_writing_two_tenants_blocks_neither_the_relay_nor_other_te
     let mut committed = Committed::new();
     let a0 = outbox.insert("a", "k", "s", Some("{}"), None).await;
     committed.entry("a".into()).or_default().push(a0);
+    eventually("a's first row goes out", Duration::from_secs(20), || async {
+        outbox.row(a0).await.published
+    })
+    .await;
 
     let mut both = pg_client().await;
     let tx = both.transaction().await.unwrap();
     let ta: i64 = tx.query_one(&sql, &[&"a"]).await.unwrap().get(0);
     let tb: i64 = tx.query_one(&sql, &[&"b"]).await.unwrap().get(0);
 
-    let later_a = Arc::new(pg_client().await);
-    let later_a_pid = backend_pid(&later_a).await;
-    let queued = tokio::spawn({
-        let (client, sql) = (later_a.clone(), sql.clone());
-        async move {
-            insert(&client, &sql, "a")
-                .await
-                .expect("the later writer inserts")
-        }
-    });
-    let observer = pg_client().await;
-    eventually(
-        "the later writer of a waits for the open transaction",
-        Duration::from_secs(10),
-        || async { waits_for_advisory_lock(&observer, later_a_pid).await },
-    )
-    .await;
+    // Another writer of a: its INSERT and its COMMIT both return while the
+    // first transaction is still open.
+    let mut later_client = pg_client().await;
+    let later = tokio::time::timeout(Duration::from_secs(10), async {
+        let later_tx = later_client.transaction().await.unwrap();
+        let id: i64 = later_tx.query_one(&sql, &[&"a"]).await.unwrap().get(0);
+        later_tx.commit().await.unwrap();
+        id
+    })
+    .await
+    .expect("a writer of the same tenant inserts and commits without waiting");
+    assert!(later > tb, "ids are drawn in order");
     for _ in 0..5 {
         let id = outbox.insert("c", "k", "s", Some("{}"), None).await;
         committed.entry("c".into()).or_default().push(id);
     }
     eventually(
-        "a's committed row and c's rows go out while the transaction is open",
+        "c's rows go out while the transaction is open",
         Duration::from_secs(20),
-        || async { outbox.pending("a").await == 0 && outbox.pending("c").await == 0 },
+        || async { outbox.pending("c").await == 0 },
     )
     .await;
-    assert!(!queued.is_finished(), "the later writer of a still waits");
+    assert!(
+        !outbox.row(later).await.published,
+        "the later row of a waits for the open transaction's lower id"
+    );
     tx.commit().await.unwrap();
-    let later = queued.await.unwrap();
-    assert!(later > tb, "the later writer drew its id after the commit");
     committed.get_mut("a").unwrap().extend([ta, later]);
     committed.insert("b".into(), vec![tb]);
     assert_eq!(
@@ -189,59 +178,76 @@ async fn a_transaction_writing_two_tenants_blocks_neither_the_relay_nor_other_te
     outbox.drop_schema().await;
 }
 
-/// Two writers inserting two tenants in opposite orders: PostgreSQL's
-/// deadlock detector aborts one (SQLSTATE 40P01), the other commits, and the
-/// relay goes on. (Writers of several tenants should insert them sorted.)
+/// Transaction A inserts its outbox row and then updates a business row;
+/// transaction B updates that business row and then inserts its outbox row
+/// for the same tenant. As on a table without the relay's trigger, B's
+/// insert simply proceeds and both commit (no deadlock): A's update waits
+/// for B's row lock, which is the application's own. The consumer gets A's
+/// row, then B's, although B committed first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn opposite_orders_deadlock_one_writer_and_the_relay_goes_on() {
+async fn opposite_orders_with_a_business_row_both_commit() {
     let outbox = Outbox::create().await;
     let broker = Broker::create(&["#"]).await;
-    let relay = start_relay(config(&outbox, &broker, &["x", "y", "z"])).await;
+    let relay = start_relay(config(&outbox, &broker, &["x", "z"])).await;
     let sql = Arc::new(insert_sql(&outbox));
+    let business = format!("{}.business", outbox.schema);
+    outbox
+        .client
+        .batch_execute(&format!(
+            "CREATE TABLE {business} (id int PRIMARY KEY, n int); INSERT INTO {business} VALUES (1, 0)"
+        ))
+        .await
+        .unwrap();
+    let update = Arc::new(format!("UPDATE {business} SET n = n + 1 WHERE id = 1"));
     let first = Arc::new(pg_client().await);
     let second = Arc::new(pg_client().await);
     let first_pid = backend_pid(&first).await;
     first.batch_execute("BEGIN").await.unwrap();
     second.batch_execute("BEGIN").await.unwrap();
     let first_x = insert(&first, &sql, "x").await.unwrap();
-    let second_y = insert(&second, &sql, "y").await.unwrap();
-    let first_then_y = tokio::spawn({
-        let (client, sql) = (first.clone(), sql.clone());
-        async move { insert(&client, &sql, "y").await }
+    second.batch_execute(&update).await.unwrap();
+    let first_update = tokio::spawn({
+        let (client, update) = (first.clone(), update.clone());
+        async move { client.batch_execute(&update).await }
     });
     let observer = pg_client().await;
     eventually(
-        "the first writer waits for y",
+        "A's update waits for B's row lock",
         Duration::from_secs(10),
-        || async { waits_for_advisory_lock(&observer, first_pid).await },
+        || async {
+            observer
+                .query_opt(
+                    "SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'",
+                    &[&first_pid],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .is_some()
+        },
     )
     .await;
-    let second_then_x = insert(&second, &sql, "x").await;
-    let first_then_y = first_then_y.await.unwrap();
-    let deadlocked = |result: &Result<i64, tokio_postgres::Error>| {
-        result
-            .as_ref()
-            .err()
-            .and_then(|e| e.as_db_error())
-            .is_some_and(|db| db.code().code() == "40P01")
-    };
-    assert!(
-        deadlocked(&first_then_y) != deadlocked(&second_then_x),
-        "exactly one writer is aborted as a deadlock: {first_then_y:?} / {second_then_x:?}"
-    );
-    let mut committed = Committed::new();
-    let (survivor, loser) = if deadlocked(&first_then_y) {
-        committed.insert("y".into(), vec![second_y]);
-        committed.insert("x".into(), vec![second_then_x.unwrap()]);
-        (&second, &first)
-    } else {
-        committed.insert("x".into(), vec![first_x]);
-        committed.insert("y".into(), vec![first_then_y.unwrap()]);
-        (&first, &second)
-    };
-    loser.batch_execute("ROLLBACK").await.unwrap();
-    survivor.batch_execute("COMMIT").await.unwrap();
+    let second_x = tokio::time::timeout(Duration::from_secs(10), insert(&second, &sql, "x"))
+        .await
+        .expect("B's insert does not wait")
+        .expect("B's insert is not a deadlock");
+    second.batch_execute("COMMIT").await.expect("B commits");
+    first_update
+        .await
+        .unwrap()
+        .expect("A's update goes on once B committed: no deadlock");
+    // B's row (the higher id) is committed, A's is not: it waits.
     let after = outbox.insert("z", "k", "s", Some("{}"), None).await;
+    eventually("another tenant goes on", Duration::from_secs(20), || async {
+        outbox.row(after).await.published
+    })
+    .await;
+    assert!(
+        !outbox.row(second_x).await.published,
+        "B's row waits for A's lower id"
+    );
+    first.batch_execute("COMMIT").await.expect("A commits");
+    let mut committed = Committed::new();
+    committed.insert("x".into(), vec![first_x, second_x]);
     committed.insert("z".into(), vec![after]);
     assert_eq!(
         check_history(&outbox, &broker, &committed, Duration::from_secs(30)).await,
@@ -500,7 +506,9 @@ async fn an_old_table_is_upgraded_in_place_and_a_second_migrate_is_up_to_date() 
         .iter()
         .map(|r| r.1)
         .collect();
-    assert_eq!(names, vec![1, 2, 3, 4]);
+    // The trigger is new (0002 applied now): the writers take the shared
+    // lock at once (0006).
+    assert_eq!(names, vec![1, 2, 3, 4, 5, 6]);
 
     let (code, output) = migrate_binary(&schema, false).await;
     assert_eq!(code, Some(0), "{output}");
@@ -527,7 +535,7 @@ async fn concurrent_migrators_apply_each_migration_once() {
         assert_eq!(code, Some(0), "{output}");
         outputs += &output;
     }
-    for migration in MIGRATIONS {
+    for migration in MIGRATIONS.iter().chain([&outbox_relay::migrate::FINISH]) {
         assert_eq!(
             outputs
                 .matches(&format!("applied {}", migration.name))
@@ -536,7 +544,11 @@ async fn concurrent_migrators_apply_each_migration_once() {
             "{outputs}"
         );
     }
-    assert_eq!(recorded(&client, &schema).await.len(), MIGRATIONS.len());
+    assert_eq!(
+        recorded(&client, &schema).await.len(),
+        MIGRATIONS.len() + 1,
+        "a new table is finished at once"
+    );
     drop_schema(&client, &schema).await;
 }
 
@@ -578,8 +590,9 @@ async fn catalog(client: &Client, schema: &str) -> Vec<String> {
 }
 
 /// `migrate --print` connects to nothing, and its script applied with
-/// `psql -v ON_ERROR_STOP=1` (twice: it is idempotent) leaves the catalog
-/// as `migrate` does.
+/// `psql -v ON_ERROR_STOP=1` (twice: it is idempotent), followed by the
+/// script of `migrate --finish --print`, leaves the catalog as `migrate`
+/// does for a new table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_print_applied_by_psql_equals_migrate() {
     let client = pg_client().await;
@@ -603,8 +616,20 @@ async fn migrate_print_applied_by_psql_equals_migrate() {
         .expect("the binary runs");
     assert_eq!(refused.status.code(), Some(2), "bad configuration exits 2");
     assert!(refused.stdout.is_empty(), "and prints no script");
+    let mut finish = relay_command();
+    finish.args(["migrate", "--finish", "--print"]).envs([
+        ("OUTBOX_TENANTS", "migrate"),
+        ("OUTBOX_DATABASE_URL", "postgres://nobody@127.0.0.1:1/none"),
+        ("OUTBOX_SCHEMA", by_psql.as_str()),
+    ]);
+    let finished = finish.output().expect("the binary runs");
+    assert_eq!(finished.status.code(), Some(0));
     let script = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(script.path(), &output.stdout).unwrap();
+    std::fs::write(
+        script.path(),
+        [output.stdout.as_slice(), finished.stdout.as_slice()].concat(),
+    )
+    .unwrap();
     for _ in 0..2 {
         let psql = std::process::Command::new("psql")
             .args([DATABASE_URL, "-q", "-v", "ON_ERROR_STOP=1", "-f"])
