@@ -69,7 +69,7 @@ keys! {
     database_url: DatabaseTarget ["URL"] = default_target::<DatabaseTarget>(DEFAULT_DATABASE_URL), parsed(),
         env "DATABASE_URL";
     /// notify (LISTEN for new rows, the poll as the safety net) or poll
-    wakeup: Wakeup ["MODE"] = Wakeup::Notify, Parse(Wakeup::parse);
+    wakeup: Wakeup ["MODE"] = Wakeup::Sequence, Parse(Wakeup::parse);
     /// PostgreSQL URL of the LISTEN connection (direct, not through PgBouncer in transaction mode; default: database_url)
     listen_database_url: DatabaseTarget ["URL"] = database_url.clone(), parsed();
     /// Database connections (> concurrency)
@@ -274,8 +274,14 @@ impl<const N: usize> PartialEq<[&str; N]> for Tenants {
 /// How the relay learns of new rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Wakeup {
-    /// LISTEN on the trigger's channel and sweep a notified tenant at once;
-    /// the poll still finds whatever no notification announced.
+    /// While rows flow, watch the id sequence every few milliseconds and poll
+    /// when it moves; once it stands still, LISTEN and ask writers for a
+    /// notification (the wake-up lock), so an idle relay costs one poll per
+    /// interval and a busy table takes no NOTIFY at every commit.
+    Sequence,
+    /// LISTEN on the trigger's channel and ask every insert to notify
+    /// (the wake-up lock held for good); the poll still finds whatever no
+    /// notification announced.
     Notify,
     /// The poll alone: no LISTEN connection.
     Poll,
@@ -284,6 +290,7 @@ pub enum Wakeup {
 impl Wakeup {
     fn as_str(self) -> &'static str {
         match self {
+            Wakeup::Sequence => "sequence",
             Wakeup::Notify => "notify",
             Wakeup::Poll => "poll",
         }
@@ -291,10 +298,16 @@ impl Wakeup {
 
     fn parse(text: &str) -> Result<Wakeup, String> {
         match text {
+            "sequence" => Ok(Wakeup::Sequence),
             "notify" => Ok(Wakeup::Notify),
             "poll" => Ok(Wakeup::Poll),
-            _ => Err("must be notify or poll".into()),
+            _ => Err("must be sequence, notify or poll".into()),
         }
+    }
+
+    /// Whether the relay LISTENs (a wake-up connection of its own).
+    pub fn listens(self) -> bool {
+        self != Wakeup::Poll
     }
 }
 
@@ -1211,7 +1224,7 @@ mod tests {
     fn wakeup_is_notify_or_poll() {
         let base = ("OUTBOX_TENANTS", "a");
         let c = load(None, &[base], &[]).unwrap().config;
-        assert_eq!(c.wakeup, Wakeup::Notify, "notify by default");
+        assert_eq!(c.wakeup, Wakeup::Sequence, "sequence by default");
         let c = load(None, &[base, ("OUTBOX_WAKEUP", "poll")], &[])
             .unwrap()
             .config;

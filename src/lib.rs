@@ -60,7 +60,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backoff::Backoff;
-use crate::config::{Config, Wakeup};
+use crate::config::Config;
 use crate::relay::{Relay, SetupError};
 use crate::shutdown::Shutdown;
 
@@ -143,7 +143,7 @@ pub async fn serve(
     let broker = tokio::spawn(relay.publisher.clone().supervise(rest_stop.clone().fired()));
     let connected_gauge = tokio::spawn(mirror_connected(relay.clone()));
     let endpoint_gauge = tokio::spawn(mirror_endpoint(relay.clone()));
-    let wakeup = (relay.config.wakeup == Wakeup::Notify).then(|| {
+    let wakeup = relay.config.wakeup.listens().then(|| {
         tokio::spawn(wakeup::run(
             relay.config.clone(),
             relay.wakeups.clone(),

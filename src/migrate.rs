@@ -432,10 +432,8 @@ async fn try_in_transaction(
         return Ok(false);
     }
     if migration.retries_locks() {
-        tx.batch_execute(&format!(
-            "SET LOCAL lock_timeout = '{RETRY_LOCK_TIMEOUT}'"
-        ))
-        .await?;
+        tx.batch_execute(&format!("SET LOCAL lock_timeout = '{RETRY_LOCK_TIMEOUT}'"))
+            .await?;
     }
     tx.batch_execute(&migration.render(&config.schema, &config.table))
         .await?;

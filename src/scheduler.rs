@@ -32,6 +32,7 @@ use tokio::task::{Id, JoinSet};
 use tokio::time::Instant;
 
 use crate::backoff::Backoff;
+use crate::config::Wakeup;
 use crate::domain::Outcome;
 use crate::relay::{Relay, SweepFailure, SweepOutcome};
 use crate::shutdown::Shutdown;
@@ -487,8 +488,7 @@ pub const POLL_PAGE: usize = 10_000;
 /// about, and its answer.
 ///
 /// [`Store::writers`]: crate::store::Store::writers
-type WritersCheck =
-    Pin<Box<dyn Future<Output = (Vec<usize>, Result<Writers, StoreError>)> + Send>>;
+type WritersCheck = Pin<Box<dyn Future<Output = (Vec<usize>, Result<Writers, StoreError>)> + Send>>;
 
 /// The writers' check runs at most this often while tenants wait for it ...
 pub const WRITERS_CHECK_MIN: Duration = Duration::from_millis(1);
@@ -497,6 +497,33 @@ pub const WRITERS_CHECK_MIN: Duration = Duration::from_millis(1);
 /// a long transaction (or a prepared one left open) is looked at less and
 /// less often.
 pub const WRITERS_CHECK_MAX: Duration = Duration::from_millis(100);
+
+/// `wakeup = sequence`: while rows flow, the id sequence's position is read
+/// this often, and a move asks for a poll ...
+pub const WATCH_TICK: Duration = Duration::from_millis(5);
+/// ... until it has stood still this long with nothing to sweep: then the
+/// relay asks writers for a notification again (the wake-up lock) and waits.
+pub const WATCH_QUIET: Duration = Duration::from_millis(100);
+
+type PositionRead = Pin<Box<dyn Future<Output = Result<i64, StoreError>> + Send>>;
+type GlobalCheck = Pin<Box<dyn Future<Output = Result<Writers, StoreError>> + Send>>;
+
+/// `wakeup = sequence`: whether the relay watches the id sequence (rows
+/// flow, no writer notifies) or waits for a notification (it holds the
+/// wake-up lock, every insert notifies).
+struct Watch {
+    watching: bool,
+    /// The position last read, and whether that read saw it move.
+    position: i64,
+    moved: bool,
+    /// The last sign of rows flowing.
+    active_at: Instant,
+    next_tick: Instant,
+    tick: Option<PositionRead>,
+    /// Once the wake-up lock is taken: are writers in flight that took their
+    /// id before, and so will not notify?
+    in_flight: Option<GlobalCheck>,
+}
 
 /// A deferred tenant's wait for its writers in flight.
 #[derive(Debug)]
@@ -547,6 +574,18 @@ pub async fn run(relay: Arc<Relay>, shutdown: Shutdown) {
                 scheduler.writers_check = None;
                 scheduler.checked(checked);
             }
+            read = async { scheduler.watch.tick.as_mut().expect("guarded by the branch condition").await }, if scheduler.watch.tick.is_some() => {
+                scheduler.watch.tick = None;
+                scheduler.position_read(read);
+            }
+            found = async { scheduler.watch.in_flight.as_mut().expect("guarded by the branch condition").await }, if scheduler.watch.in_flight.is_some() => {
+                scheduler.watch.in_flight = None;
+                // Writers in flight took their ids before the lock: they
+                // will not notify, so the relay watches until they are done.
+                if found.is_ok_and(|writers| !writers.all.is_empty()) {
+                    scheduler.active(Instant::now());
+                }
+            }
             () = tokio::time::sleep_until(wake_at) => {}
         }
     }
@@ -596,6 +635,7 @@ struct Scheduler {
     writers_check: Option<WritersCheck>,
     /// The next writers' check is not due before.
     next_check: Instant,
+    watch: Watch,
 }
 
 impl Scheduler {
@@ -631,7 +671,75 @@ impl Scheduler {
             candidates: HashMap::new(),
             writers_check: None,
             next_check: Instant::now(),
+            watch: Watch {
+                watching: false,
+                position: 0,
+                moved: false,
+                active_at: Instant::now(),
+                next_tick: Instant::now(),
+                tick: None,
+                in_flight: None,
+            },
         }
+    }
+
+    /// Rows flow (a notification, a sweep that published, a poll that found
+    /// rows): with `wakeup = sequence`, the relay watches the id sequence and
+    /// no longer asks writers to notify.
+    fn active(&mut self, now: Instant) {
+        if self.relay.config.wakeup != Wakeup::Sequence {
+            return;
+        }
+        self.watch.active_at = now;
+        if !self.watch.watching {
+            self.watch.watching = true;
+            self.watch.next_tick = now + WATCH_TICK;
+            self.relay.wakeups.want_notifications(false);
+        }
+    }
+
+    /// Starts the next read of the id sequence's position when due, or, once
+    /// it has stood still for [`WATCH_QUIET`] with nothing to sweep, goes
+    /// back to waiting for a notification. Returns when to look again.
+    fn watch_turn(&mut self, now: Instant) -> Option<Instant> {
+        if !self.watch.watching || self.watch.tick.is_some() {
+            return None;
+        }
+        let quiet = now >= self.watch.active_at + WATCH_QUIET
+            && self.sweeps.is_empty()
+            && !self.schedule.has_ready()
+            && self.candidates.is_empty();
+        if quiet {
+            self.watch.watching = false;
+            self.relay.wakeups.want_notifications(true);
+            return None;
+        }
+        if now >= self.watch.next_tick {
+            let relay = self.relay.clone();
+            self.watch.tick = Some(Box::pin(async move { relay.store.position().await }));
+            return None;
+        }
+        Some(self.watch.next_tick)
+    }
+
+    /// The id sequence's position was read: a move (or the read after one:
+    /// a row's commit follows its draw) asks for a poll now.
+    fn position_read(&mut self, read: Result<i64, StoreError>) {
+        let now = Instant::now();
+        self.watch.next_tick = now + WATCH_TICK;
+        let Ok(position) = read else {
+            self.watch.next_tick = now + self.relay.config.poll_interval();
+            return;
+        };
+        let moved = position != self.watch.position;
+        if moved || self.watch.moved {
+            self.next_poll = self.next_poll.min(now);
+        }
+        if moved {
+            self.watch.position = position;
+            self.watch.active_at = now;
+        }
+        self.watch.moved = moved;
     }
 
     /// Starts what is due: the poll, tenants whose back-off is over, sweeps
@@ -677,8 +785,7 @@ impl Scheduler {
             }));
             self.next_poll = now + poll_interval;
         }
-        if self.writers_check.is_none() && !self.candidates.is_empty() && now >= self.next_check
-        {
+        if self.writers_check.is_none() && !self.candidates.is_empty() && now >= self.next_check {
             let tenants: Vec<usize> = self.candidates.keys().copied().collect();
             let names: Vec<Arc<str>> = tenants
                 .iter()
@@ -704,7 +811,9 @@ impl Scheduler {
                 let name = self.schedule.name(tenant).clone();
                 let safe = self.schedule.safe(tenant);
                 let relay = self.relay.clone();
-                let handle = self.sweeps.spawn(async move { relay.sweep(&name, safe).await });
+                let handle = self
+                    .sweeps
+                    .spawn(async move { relay.sweep(&name, safe).await });
                 self.running.insert(handle.id(), tenant);
             }
         }
@@ -714,7 +823,8 @@ impl Scheduler {
         let poll_due = self.poll.is_none().then_some(self.next_poll);
         let check_due = (self.writers_check.is_none() && !self.candidates.is_empty())
             .then_some(self.next_check);
-        [self.schedule.next_wake(), poll_due, check_due]
+        let tick_due = self.watch_turn(now);
+        [self.schedule.next_wake(), poll_due, check_due, tick_due]
             .into_iter()
             .flatten()
             .min()
@@ -728,6 +838,13 @@ impl Scheduler {
         let woken = self.relay.wakeups.take();
         if woken.poll {
             self.next_poll = self.next_poll.min(now);
+        }
+        if woken.held && self.relay.config.wakeup == Wakeup::Sequence {
+            let relay = self.relay.clone();
+            self.watch.in_flight = Some(Box::pin(async move { relay.store.writers(&[]).await }));
+        }
+        if !woken.tenants.is_empty() {
+            self.active(now);
         }
         for name in woken.tenants {
             let Some(tenant) = self.schedule.tenant(&name) else {
@@ -755,6 +872,13 @@ impl Scheduler {
         };
         let name = self.schedule.name(tenant).clone();
         report(&name, &outcome);
+        if let SweepOutcome::Published { rows }
+        | SweepOutcome::Idle { rows }
+        | SweepOutcome::Deferred { rows, .. } = outcome
+            && rows > 0
+        {
+            self.active(Instant::now());
+        }
         match outcome {
             SweepOutcome::Deferred { .. } => {
                 self.schedule.defer(tenant);
@@ -935,6 +1059,9 @@ impl Scheduler {
         });
         let settled = self.schedule.ready_len();
         let due_len = due.len() + taken.len();
+        if due_len > 0 {
+            self.active(now);
+        }
         self.schedule.pending(due);
         self.schedule.taken_over(taken);
         if last_page {

@@ -77,6 +77,8 @@ const DISCARD: &str = include_str!("store/discard.sql");
 const REPLAY_BATCH: &str = include_str!("store/replay_batch.sql");
 const SEQUENCE: &str = include_str!("store/sequence.sql");
 const WRITERS: &str = include_str!("store/writers.sql");
+/// Where the id sequence stands (see [`Store::position`]); $1 = its oid.
+const POSITION: &str = "SELECT COALESCE(pg_sequence_last_value($1::bigint::oid::regclass), 0)";
 
 /// The base types of `payload` that `payload::text` turns into the
 /// application's own encoding (as `format_type` names them).
@@ -852,6 +854,24 @@ impl Store {
         }
         self.sequence.store(oid, Ordering::Relaxed);
         Ok(oid)
+    }
+
+    /// Where the id sequence stands (0 when the table has none): the wake-up
+    /// watches it while rows flow (`wakeup = sequence`).
+    pub async fn position(&self) -> Result<i64, StoreError> {
+        let sequence = self.sequence().await?;
+        if sequence == 0 {
+            return Ok(0);
+        }
+        let found = self
+            .query_all(
+                "the id sequence's position",
+                POSITION,
+                &[(&sequence, Type::INT8)],
+                |row| row.try_get::<_, i64>(0),
+            )
+            .await?;
+        Ok(found.into_iter().next().unwrap_or_default())
     }
 
     /// Which transactions hold the writers' lock of each of `tenants` (and of

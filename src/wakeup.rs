@@ -44,7 +44,7 @@ use tokio_postgres::{AsyncMessage, Client, Connection};
 use crate::backoff::Backoff;
 use crate::config::{Config, DatabaseTarget, Tenants};
 use crate::metrics::Metrics;
-use crate::migrate::{fnv1a, wakeup_channel};
+use crate::migrate::{fnv1a, quote_literal, wakeup_channel};
 use crate::shutdown::Shutdown;
 use crate::store::{QUERY_TIMEOUT, TlsStream, connect, describe, quote_ident, session_keepalives};
 
@@ -72,6 +72,9 @@ pub struct Wakeups {
     members_prefix: String,
     /// This relay's instance id, random per process (16 hex digits).
     instance: String,
+    /// Whether the relay asks writers for notifications: it holds the
+    /// wake-up lock while this is true (see `migrations/0005_writer_lock.sql`).
+    want_notify: tokio::sync::watch::Sender<bool>,
 }
 
 #[derive(Default)]
@@ -79,14 +82,17 @@ struct Waiting {
     tenants: Vec<String>,
     queued: HashSet<String>,
     poll: bool,
+    held: bool,
 }
 
-/// What the scheduler takes at once: the notified tenants, and whether to
-/// poll now.
+/// What the scheduler takes at once: the notified tenants, whether to poll
+/// now, and whether the wake-up lock was just taken (writers notify from now
+/// on; those in flight before may not).
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Woken {
     pub tenants: Vec<String>,
     pub poll: bool,
+    pub held: bool,
 }
 
 impl Wakeups {
@@ -110,7 +116,28 @@ impl Wakeups {
             application_name: format!("{members_prefix}{instance}"),
             members_prefix,
             instance,
+            want_notify: tokio::sync::watch::Sender::new(config.wakeup.listens()),
         }
+    }
+
+    /// Asks writers for notifications (`true`: the LISTEN connection takes
+    /// the wake-up lock) or not (`false`: it gives it back).
+    pub fn want_notifications(&self, want: bool) {
+        self.want_notify.send_if_modified(|wanted| {
+            let changed = *wanted != want;
+            *wanted = want;
+            changed
+        });
+    }
+
+    /// The LISTEN connection took the wake-up lock.
+    fn now_held(&self) {
+        let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+        waiting.held = true;
+        // Rows committed since the last poll notified no one.
+        waiting.poll = true;
+        drop(waiting);
+        self.signal.notify_one();
     }
 
     /// A notification's payload: a tenant this relay relays waits for the
@@ -149,6 +176,7 @@ impl Wakeups {
         Woken {
             tenants,
             poll: std::mem::take(&mut waiting.poll),
+            held: std::mem::take(&mut waiting.held),
         }
     }
 
@@ -279,6 +307,7 @@ struct Outage {
 /// back-off whenever it is lost.
 pub async fn run(config: Arc<Config>, wakeups: Arc<Wakeups>, metrics: Metrics, stop: Shutdown) {
     let channel = wakeup_channel(&config.schema, &config.table);
+    let wakeup_key = format!("{}.{}", config.schema, config.table);
     let target = listen_target(&config.listen_database_url, &wakeups.application_name);
     let check_every = config.poll_interval().max(WRITABLE_CHECK_MIN);
     let backoff = Backoff::new(RECONNECT_FIRST, RECONNECT_MAX);
@@ -286,7 +315,7 @@ pub async fn run(config: Arc<Config>, wakeups: Arc<Wakeups>, metrics: Metrics, s
     loop {
         let session = listen(
             &target,
-            &channel,
+            (&channel, &wakeup_key),
             &wakeups,
             &metrics,
             &mut outage,
@@ -324,10 +353,15 @@ fn listen_target(target: &DatabaseTarget, application_name: &str) -> DatabaseTar
 /// One LISTEN session: connect, LISTEN, ask for a poll, then hand every
 /// notification to `wakeups` until the connection is lost (or, when only a
 /// writable server will do, its server takes no writes any more: checked
-/// every `check_every`). Ends `outage` once LISTENing.
+/// every `check_every`). Ends `outage` once LISTENing. Meanwhile it holds the
+/// wake-up lock while the relay asks for notifications (see
+/// [`Wakeups::want_notifications`]): a writer whose try of it fails
+/// notifies. Only one session holds it; another relay that wants it takes it
+/// when the holder gives it back (the holder then notifies ''), and tries
+/// again every `check_every` × 10.
 async fn listen(
     target: &DatabaseTarget,
-    channel: &str,
+    (channel, wakeup_key): (&str, &str),
     wakeups: &Wakeups,
     metrics: &Metrics,
     outage: &mut Outage,
@@ -350,23 +384,91 @@ async fn listen(
     }
     // Rows committed while no one listened notified no one.
     wakeups.poll_now();
-    if !target.wants_writable() {
-        loop {
-            next_notification(&mut connection, wakeups).await?;
-        }
-    }
+    let key = quote_literal(wakeup_key);
+    let take =
+        format!("SELECT pg_try_advisory_lock(hashtext('outbox-relay wakeup'), hashtext({key}))");
+    let give_back = format!(
+        "SELECT pg_advisory_unlock(hashtext('outbox-relay wakeup'), hashtext({key})); NOTIFY {}, ''",
+        quote_ident(channel)
+    );
+    let mut want = wakeups.want_notify.subscribe();
+    let mut holding = false;
     let mut checks = tokio::time::interval(check_every);
     checks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     checks.tick().await;
+    let mut ticks: u32 = 0;
+    let mut retry = true;
     loop {
+        let wanted = *want.borrow_and_update();
+        if wanted && !holding && retry {
+            let answer = within(
+                QUERY_TIMEOUT,
+                simple_while_listening(&client, &mut connection, wakeups, &take),
+            )
+            .await?;
+            holding = first_value(&answer).as_deref() == Some("t");
+            retry = false;
+            if holding {
+                wakeups.now_held();
+            }
+        } else if !wanted && holding {
+            within(
+                QUERY_TIMEOUT,
+                simple_while_listening(&client, &mut connection, wakeups, &give_back),
+            )
+            .await?;
+            holding = false;
+        }
         tokio::select! {
-            driven = next_notification(&mut connection, wakeups) => driven?,
-            _ = checks.tick() => {
-                let writable = still_writable(&client, &mut connection, wakeups);
-                if !within(QUERY_TIMEOUT, writable).await? {
-                    return Err(Lost::ReadOnly);
+            driven = next_notification(&mut connection, wakeups) => {
+                // Another relay gave the lock back ('' asks for a poll).
+                if driven? {
+                    retry = true;
                 }
             }
+            changed = want.changed() => {
+                if changed.is_ok() {
+                    retry = true;
+                }
+            }
+            _ = checks.tick() => {
+                ticks = ticks.wrapping_add(1);
+                if ticks % 10 == 0 {
+                    retry = true;
+                }
+                if target.wants_writable() {
+                    let writable = still_writable(&client, &mut connection, wakeups);
+                    if !within(QUERY_TIMEOUT, writable).await? {
+                        return Err(Lost::ReadOnly);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The first value of a simple query's answer.
+fn first_value(answer: &[tokio_postgres::SimpleQueryMessage]) -> Option<String> {
+    answer.iter().find_map(|message| match message {
+        tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0).map(str::to_string),
+        _ => None,
+    })
+}
+
+/// Runs `sql` on the LISTEN connection, driving it (and handing on
+/// notifications) until the server has answered.
+async fn simple_while_listening(
+    client: &Client,
+    connection: &mut Connection<tokio_postgres::Socket, TlsStream>,
+    wakeups: &Wakeups,
+    sql: &str,
+) -> Result<Vec<tokio_postgres::SimpleQueryMessage>, Lost> {
+    let answered = client.simple_query(sql);
+    tokio::pin!(answered);
+    loop {
+        tokio::select! {
+            answered = &mut answered => return Ok(answered?),
+            driven = next_notification(connection, wakeups) => { driven?; }
         }
     }
 }
@@ -391,7 +493,7 @@ async fn still_writable(
                 });
                 return Ok(read_only == Some(false));
             }
-            driven = next_notification(connection, wakeups) => driven?,
+            driven = next_notification(connection, wakeups) => { driven?; }
         }
     }
 }
@@ -420,17 +522,17 @@ where
     loop {
         tokio::select! {
             answered = &mut answered => return Ok(answered?),
-            driven = next_notification(connection, wakeups) => driven?,
+            driven = next_notification(connection, wakeups) => { driven?; }
         }
     }
 }
 
 /// Drives the connection until its next message; a notification goes to
-/// `wakeups`.
+/// `wakeups`. Returns whether it was one that asks for a poll ('').
 async fn next_notification<S, T>(
     connection: &mut Connection<S, T>,
     wakeups: &Wakeups,
-) -> Result<(), Lost>
+) -> Result<bool, Lost>
 where
     S: AsyncRead + AsyncWrite + Unpin,
     T: AsyncRead + AsyncWrite + Unpin,
@@ -438,9 +540,9 @@ where
     match poll_fn(|cx| connection.poll_message(cx)).await {
         Some(Ok(AsyncMessage::Notification(notification))) => {
             wakeups.notified(notification.payload());
-            Ok(())
+            Ok(notification.payload().is_empty())
         }
-        Some(Ok(_notice)) => Ok(()),
+        Some(Ok(_notice)) => Ok(false),
         Some(Err(error)) => Err(error.into()),
         None => Err(Lost::Closed),
     }
@@ -475,7 +577,8 @@ mod tests {
             w.take(),
             Woken {
                 tenants: vec!["c".to_string(), "a".to_string()],
-                poll: false
+                poll: false,
+                held: false,
             }
         );
         assert_eq!(w.take(), Woken::default(), "taken once");
@@ -506,7 +609,8 @@ mod tests {
             w.take(),
             Woken {
                 tenants: vec![],
-                poll: true
+                poll: true,
+                held: false,
             }
         );
     }

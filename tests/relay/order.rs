@@ -130,9 +130,11 @@ async fn a_transaction_writing_two_tenants_blocks_no_writer_and_holds_back_only_
     let mut committed = Committed::new();
     let a0 = outbox.insert("a", "k", "s", Some("{}"), None).await;
     committed.entry("a".into()).or_default().push(a0);
-    eventually("a's first row goes out", Duration::from_secs(20), || async {
-        outbox.row(a0).await.published
-    })
+    eventually(
+        "a's first row goes out",
+        Duration::from_secs(20),
+        || async { outbox.row(a0).await.published },
+    )
     .await;
 
     let mut both = pg_client().await;
@@ -237,9 +239,11 @@ async fn opposite_orders_with_a_business_row_both_commit() {
         .expect("A's update goes on once B committed: no deadlock");
     // B's row (the higher id) is committed, A's is not: it waits.
     let after = outbox.insert("z", "k", "s", Some("{}"), None).await;
-    eventually("another tenant goes on", Duration::from_secs(20), || async {
-        outbox.row(after).await.published
-    })
+    eventually(
+        "another tenant goes on",
+        Duration::from_secs(20),
+        || async { outbox.row(after).await.published },
+    )
     .await;
     assert!(
         !outbox.row(second_x).await.published,

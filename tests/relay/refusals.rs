@@ -447,7 +447,11 @@ async fn marks_sent_ahead_are_invisible_until_the_commit_and_undone_past_a_late_
     let claim = || async {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         loop {
-            if let Some(claim) = store.claim("ahead", 1 << 20, i64::MIN).await.expect("claim") {
+            if let Some(claim) = store
+                .claim("ahead", 1 << 20, i64::MIN)
+                .await
+                .expect("claim")
+            {
                 return claim;
             }
             assert!(tokio::time::Instant::now() < deadline, "never claimed");

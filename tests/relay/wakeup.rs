@@ -30,7 +30,9 @@ async fn listener_pids(outbox: &Outbox) -> Vec<i32> {
         .client
         .query(
             // With `wakeup = poll` the pool's sessions carry the name too.
-            "SELECT pid FROM pg_stat_activity WHERE application_name LIKE $1 AND query LIKE '%; LISTEN %' ORDER BY pid",
+            // Its last statement LISTENs, or takes or gives back the wake-up lock.
+            "SELECT pid FROM pg_stat_activity WHERE application_name LIKE $1 \
+             AND (query LIKE '%; LISTEN %' OR query LIKE '%''outbox-relay wakeup''%') ORDER BY pid",
             &[&listeners_of(outbox)],
         )
         .await
@@ -78,6 +80,8 @@ async fn a_committed_row_arrives_long_before_the_poll() {
     let first = outbox.insert("acme", "k", "s", Some("{}"), None).await;
     let mut config = config(&outbox, &broker, &["acme", "globex"]);
     config.poll_ms = NO_POLL_MS;
+    // Every insert notifies (the wake-up lock held for good).
+    config.wakeup = Wakeup::Notify;
     let relay = start_relay(config).await;
     until_listening(&relay).await;
     // The poll that follows the LISTEN has happened: the first row is out.
@@ -233,6 +237,7 @@ async fn through_transaction_pooling_a_direct_listen_connection_wakes_the_relay(
     let broker = Broker::create(&["#"]).await;
     let mut config = config(&outbox, &broker, &["acme"]);
     config.poll_ms = NO_POLL_MS;
+    config.wakeup = Wakeup::Notify;
     config.database_url = bouncer.parse().expect("the PgBouncer url");
     // listen_database_url stays direct (support::config sets it so).
     let relay = start_relay(config).await;
@@ -378,6 +383,67 @@ async fn replicas_split_the_tenants(wakeup: Wakeup) {
         three.all,
         alone.all
     );
+}
+
+/// `wakeup = sequence` (the default) on a quiet table: a lone transaction
+/// (insert, 50 ms of other work, commit) wakes the waiting relay at its
+/// commit, long before the next poll; while rows flow, the relay watches the
+/// sequence instead (a writer's insert then takes no notification), and when
+/// the table is quiet again the next lone transaction wakes it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_transaction_on_a_quiet_table_wakes_the_relay_at_its_commit() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let mut config = config(&outbox, &broker, &["acme"]);
+    config.poll_ms = NO_POLL_MS;
+    assert_eq!(config.wakeup, Wakeup::Sequence, "the default");
+    let relay = start_relay(config).await;
+    until_listening(&relay).await;
+    let sql = format!(
+        "INSERT INTO {} (tenant_id, kind, subject_id, payload) VALUES ('acme', 'k', 's', '{{}}') RETURNING id",
+        outbox.qualified()
+    );
+    let mut writer = pg_client().await;
+    let mut committed = Vec::new();
+    for round in 1..=3 {
+        // Quiet: the relay waits for a notification (it holds the lock).
+        eventually(
+            "the relay waits for a notification",
+            Duration::from_secs(10),
+            || async {
+                outbox
+                    .client
+                    .query_one(
+                        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted \
+                         AND classid::bigint = (hashtext('outbox-relay wakeup')::bigint & 4294967295) \
+                         AND objid::bigint = (hashtext($1)::bigint & 4294967295) AND objsubid = 2",
+                        &[&format!("{}.{}", outbox.schema, outbox.table)],
+                    )
+                    .await
+                    .expect("pg_locks")
+                    .get::<_, i64>(0)
+                    == 1
+            },
+        )
+        .await;
+        let tx = writer.transaction().await.unwrap();
+        let id: i64 = tx.query_one(&sql, &[]).await.unwrap().get(0);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        tx.commit().await.unwrap();
+        committed.push(id);
+        eventually(
+            "the row arrives long before the poll (60 s)",
+            Duration::from_secs(10),
+            || async { broker.count() >= round },
+        )
+        .await;
+    }
+    assert!(metric_of(&relay, "outbox_wakeups_total").await >= 3.0);
+    relay.stop().await;
+    let ids: Vec<i64> = broker.received().iter().map(|r| r.id).collect();
+    assert_eq!(ids, committed);
+    broker.delete().await;
+    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
