@@ -406,7 +406,7 @@ async fn apply_in_transaction(
                 if migration.retries_locks() && error.sqlstate() == Some(LOCK_NOT_AVAILABLE) =>
             {
                 attempts += 1;
-                if attempts == 1 || attempts % 50 == 0 {
+                if attempts == 1 || attempts.is_multiple_of(50) {
                     tracing::info!(
                         schema = %config.schema, table = %config.table, attempts,
                         "{} waits for the table's writers in flight; trying again", migration.name

@@ -891,10 +891,8 @@ impl Scheduler {
                 self.next_check = self.next_check.min(now + WRITERS_CHECK_MIN);
                 return;
             }
-            SweepOutcome::Idle { .. } => {
-                if self.candidates.remove(&tenant).is_some() {
-                    self.relay.metrics.set_writer_wait(&name, Duration::ZERO);
-                }
+            SweepOutcome::Idle { .. } if self.candidates.remove(&tenant).is_some() => {
+                self.relay.metrics.set_writer_wait(&name, Duration::ZERO);
             }
             _ => {}
         }

@@ -433,7 +433,7 @@ async fn listen(
             }
             _ = checks.tick() => {
                 ticks = ticks.wrapping_add(1);
-                if ticks % 10 == 0 {
+                if ticks.is_multiple_of(10) {
                     retry = true;
                 }
                 if target.wants_writable() {
