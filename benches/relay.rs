@@ -26,7 +26,13 @@
 //!    `outbox_relay.notify = off`, (c) with its NOTIFY and a session
 //!    LISTENing, (d) as (c) with every writer on one tenant (they serialise
 //!    from insert to commit), (e) as (d) holding each transaction 2 ms after
-//!    its insert; rows/s and the ratio to (a);
+//!    its insert; rows/s and the ratio to (a); then the writers' cost with a
+//!    relay running (`tenants = "*"`, the default configuration): 4 writers
+//!    on one tenant with 2 ms of work after the insert, and 16 writers over
+//!    64 tenants flat out, alternating between a table made by `0001` alone
+//!    and the relay's table (every migration: the shared writers' lock):
+//!    rows/s of each, the median ratio of the pairs, and the PostgreSQL CPU
+//!    per row the relay's table adds;
 //! 4. idle — 1,000 tenants, no rows: transactions per poll, CPU, peak RSS;
 //! 5. drain with 4 KiB payloads;
 //! 6. memory — peak RSS of one relay (defaults) relaying one 100 MiB row
@@ -1362,6 +1368,157 @@ async fn producers(setup: Producers, duration: Duration) -> f64 {
     rate
 }
 
+/// What writers do in the writers' cost scenario.
+#[derive(Debug, Clone, Copy)]
+enum WriterLoad {
+    /// 4 writers on one tenant, each transaction 2 ms of other work after
+    /// its insert.
+    OneTenantHeld,
+    /// 16 writers over 64 tenants, single-row autocommit inserts flat out.
+    Spread,
+}
+
+impl WriterLoad {
+    fn label(self) -> &'static str {
+        match self {
+            WriterLoad::OneTenantHeld => "4 writers, one tenant, 2 ms after insert",
+            WriterLoad::Spread => "16 writers over 64 tenants, flat out",
+        }
+    }
+}
+
+/// The writers' cost: rows/s and PostgreSQL CPU µs per row of `load` for
+/// `duration`, on a table made by `0001` alone (`relayed` false: no trigger,
+/// no later index or column, the application's own table) or by every
+/// migration (the writers' lock in its shared mode), with a relay on the
+/// default configuration relaying every tenant written (`tenants = "*"`).
+async fn writer_cost(load: WriterLoad, relayed: bool, duration: Duration) -> (f64, f64) {
+    let table = if relayed {
+        Table::create().await
+    } else {
+        let schema = unique("b");
+        let mut config = Config::with_tenants(["bench"]);
+        config.database_url = DATABASE_URL.parse().expect("database url");
+        config.schema = schema.clone();
+        let store = Store::new(&config).expect("store");
+        outbox_relay::migrate::apply(&store, &config, &outbox_relay::migrate::MIGRATIONS[..1])
+            .await
+            .expect("migrate 0001");
+        Table {
+            schema,
+            client: pg(DATABASE_URL).await,
+        }
+    };
+    let exchange = Exchange::create(false).await;
+    let relay = RelayProcess::spawn(&table, &exchange, &["*".to_string()]);
+    // The relay connects and has polled once.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (writers, held) = match load {
+        WriterLoad::OneTenantHeld => (4, Some(Duration::from_millis(2))),
+        WriterLoad::Spread => (16, None),
+    };
+    let insert = format!(
+        "INSERT INTO {} (tenant_id, kind, subject_id, payload) VALUES ($1, 'thing.changed', 's', $2)",
+        table.qualified()
+    );
+    let (_, pg_before) = service_cpu();
+    let deadline = Instant::now() + duration;
+    let tasks = (0..writers).map(|w: usize| {
+        let insert = insert.clone();
+        async move {
+            let client = pg(DATABASE_URL).await;
+            let statement = client.prepare(&insert).await.expect("prepare");
+            let payload = "x".repeat(256);
+            let (mut rows, mut n) = (0u64, 0usize);
+            while Instant::now() < deadline {
+                let tenant = match load {
+                    WriterLoad::OneTenantHeld => "t00".to_string(),
+                    WriterLoad::Spread => format!("t{:02}", (w + 16 * (n % 4)) % 64),
+                };
+                n += 1;
+                match held {
+                    None => {
+                        client
+                            .execute(&statement, &[&tenant, &payload])
+                            .await
+                            .expect("insert");
+                    }
+                    Some(hold) => {
+                        client.batch_execute("BEGIN").await.expect("begin");
+                        client
+                            .execute(&statement, &[&tenant, &payload])
+                            .await
+                            .expect("insert");
+                        tokio::time::sleep(hold).await;
+                        client.batch_execute("COMMIT").await.expect("commit");
+                    }
+                }
+                rows += 1;
+            }
+            rows
+        }
+    });
+    let started = Instant::now();
+    let rows: u64 = futures_util::future::join_all(tasks)
+        .await
+        .into_iter()
+        .sum();
+    let rate = rows as f64 / started.elapsed().as_secs_f64();
+    let (_, pg_after) = service_cpu();
+    let pg_us = (pg_after - pg_before) * 1e6 / rows.max(1) as f64;
+    // Every row written is relayed (the relay keeps up or catches up).
+    let relayed_all = exchange
+        .wait_for(rows as usize, Duration::from_secs(120))
+        .await;
+    if verbose() {
+        println!(
+            "  writers {}, {}: {rate:.0} rows/s, PostgreSQL {pg_us:.1} µs/row, relayed all: {relayed_all}",
+            load.label(),
+            if relayed {
+                "every migration, relay"
+            } else {
+                "0001 alone, relay"
+            },
+        );
+    }
+    relay.stop();
+    exchange.delete().await;
+    table.drop().await;
+    (rate, pg_us)
+}
+
+/// The writers' cost of each load: runs alternating between the table made
+/// by `0001` alone and the relay's table, the ratio of each pair's rates.
+async fn writer_costs(report: &mut Report, runs: usize) {
+    let duration = Duration::from_secs(5);
+    for load in [WriterLoad::OneTenantHeld, WriterLoad::Spread] {
+        let (mut plain, mut ours, mut ratios, mut cpu) = (
+            Figure { runs: Vec::new() },
+            Figure { runs: Vec::new() },
+            Figure { runs: Vec::new() },
+            Figure { runs: Vec::new() },
+        );
+        for _ in 0..runs {
+            let (base, base_cpu) = writer_cost(load, false, duration).await;
+            let (rate, rate_cpu) = writer_cost(load, true, duration).await;
+            plain.runs.push(base);
+            ours.runs.push(rate);
+            ratios.runs.push(rate / base);
+            cpu.runs.push(rate_cpu - base_cpu);
+        }
+        let name = format!("writers, {}", load.label());
+        report.add(&format!("{name}: 0001 alone"), "rows/s", &plain, None);
+        report.add(&format!("{name}: the relay's table"), "rows/s", &ours, None);
+        report.add(&format!("{name}: ratio of pairs"), "×", &ratios, None);
+        report.add(
+            &format!("{name}: PostgreSQL CPU added"),
+            "µs/row",
+            &cpu,
+            None,
+        );
+    }
+}
+
 /// The relay's default `max_payload_bytes`.
 const DEFAULT_MAX_PAYLOAD_BYTES: usize = 16 << 20;
 
@@ -1990,6 +2147,7 @@ async fn main() {
         }
     }
     if knobs.wants("producers") {
+        writer_costs(&mut report, runs).await;
         let duration = Duration::from_secs(5);
         let mut baseline = Vec::new();
         for setup in Producers::ALL {

@@ -666,56 +666,49 @@ async fn sigterm_during_a_slow_batch() {
     outbox.drop_schema().await;
 }
 
-/// 11. Two writers of one tenant: the second waits for the first to commit
-/// before it draws its id (the commit-order trigger), so the ids follow commit
-/// order and the consumer receives them so.
+/// 11. Two writers of one tenant commit out of id order: the second inserts
+/// and commits while the first (the lower id) is still open, without waiting
+/// for it; its row waits pending until the first commits, and the consumer
+/// receives the two in id order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_committed_out_of_id_order() {
     let outbox = Outbox::create().await;
     let broker = Broker::create(&["#"]).await;
     let relay = start_relay(config(&outbox, &broker, &["late"])).await;
     let mut first_writer = pg_client().await;
-    let second_writer = std::sync::Arc::new(pg_client().await);
-    let second_pid: i32 = second_writer
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let second_writer = pg_client().await;
     let insert = format!(
         "INSERT INTO {} (tenant_id, kind, subject_id, payload) VALUES ('late', 'k', $1, '{{}}') RETURNING id",
         outbox.qualified()
     );
     let slow = first_writer.transaction().await.unwrap();
     let first: i64 = slow.query_one(&insert, &[&"first"]).await.unwrap().get(0);
-    let second = tokio::spawn({
-        let (client, insert) = (second_writer.clone(), insert.clone());
-        async move {
-            client
-                .query_one(&insert, &[&"second"])
-                .await
-                .unwrap()
-                .get::<_, i64>(0)
-        }
-    });
+    let second: i64 = tokio::time::timeout(
+        Duration::from_secs(10),
+        second_writer.query_one(&insert, &[&"second"]),
+    )
+    .await
+    .expect("the second writer does not wait for the first")
+    .unwrap()
+    .get(0);
+    assert!(first < second, "ids are drawn in order");
+    let stays = outbox.row(second).await;
+    assert!(!stays.published, "the committed higher id waits");
+    // The relay has swept the tenant meanwhile (it is woken by the commit),
+    // and the higher id is still held back.
     eventually(
-        "the second writer waits for the first to commit",
+        "the relay has looked at the tenant",
         Duration::from_secs(10),
         || async {
-            outbox
-                .client
-                .query_opt(
-                    "SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND wait_event = 'advisory'",
-                    &[&second_pid],
-                )
-                .await
-                .unwrap()
-                .is_some()
+            let (_, text) = relay.get("/metrics").await;
+            text.lines().any(|line| {
+                line.starts_with("outbox_sweeps_total{") && line.contains("tenant=\"late\"")
+            })
         },
     )
     .await;
+    assert!(!outbox.row(second).await.published, "still held back");
     slow.commit().await.unwrap();
-    let second = second.await.unwrap();
-    assert!(first < second, "ids follow commit order");
     let committed = Committed::from([("late".to_string(), vec![first, second])]);
     assert_eq!(
         check_history(&outbox, &broker, &committed, Duration::from_secs(20)).await,
