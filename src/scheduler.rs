@@ -1245,6 +1245,31 @@ mod tests {
     }
 
     #[test]
+    fn a_deferred_tenant_waits_for_the_writers_check_alone() {
+        let mut s = tenants(2);
+        assert_eq!(s.safe(0), i64::MIN, "no safe bound known at first");
+        s.pending(ids(["t0"]));
+        assert_eq!(s.next_ready(), Some(0));
+        s.defer(0);
+        assert!(s.is_deferred(0));
+        // Neither a notification nor the poll readies it: the check does.
+        assert!(!s.notified(0));
+        s.pending(ids(["t0"]));
+        assert_eq!(s.next_ready(), None);
+        s.cleared(0, 41);
+        assert_eq!(s.safe(0), 41);
+        assert_eq!(s.next_ready(), Some(0), "ready once its writers ended");
+        // A later, lower bound (an older check) never moves it back.
+        s.cleared(0, 7);
+        assert_eq!(s.safe(0), 41);
+        assert_eq!(
+            s.next_ready(),
+            None,
+            "clearing a running tenant queues nothing"
+        );
+    }
+
+    #[test]
     fn pending_tenants_become_ready_once_in_poll_order() {
         let mut s = tenants(3);
         s.pending(ids(["t2", "t0", "t2", "unknown"]));

@@ -70,7 +70,6 @@ const PENDING_TENANTS: &str = include_str!("store/pending_tenants.sql");
 const TENANT_LAG: &str = include_str!("store/tenant_lag.sql");
 const TENANT_STATUS: &str = include_str!("store/tenant_status.sql");
 const PAYLOAD_TYPE: &str = include_str!("store/payload_type.sql");
-const WRITABLE: &str = include_str!("store/writable.sql");
 const REQUEUE: &str = include_str!("store/requeue.sql");
 const REQUEUE_TENANT: &str = include_str!("store/requeue_tenant.sql");
 const DISCARD: &str = include_str!("store/discard.sql");
@@ -1065,7 +1064,7 @@ impl Store {
         let from_start = page.after.is_none();
         let limit = i64::try_from(page.limit).unwrap_or(i64::MAX);
         let rows = self
-            .query_all_on_writable(
+            .query_all(
                 "the poll query",
                 &self.statements().pending_tenants,
                 &[
@@ -1075,6 +1074,9 @@ impl Store {
                     (&limit, Type::INT8),
                 ],
                 |row| {
+                    if let Some(writable) = row.try_get::<_, Option<bool>>(5)? {
+                        return Ok(Found::Writable(writable));
+                    }
                     Ok(
                         match (
                             row.try_get::<_, Option<String>>(0)?,
@@ -1102,6 +1104,10 @@ impl Store {
                 Found::Pending(tenant) => polled.pending.push(tenant),
                 Found::Parked(tenant, parked) => polled.parked.push((tenant, parked)),
                 Found::Listener(name) => polled.listeners.push(name),
+                Found::Writable(false) => {
+                    return self.dropping_idle_if_read_only(Err(StoreError::ReadOnly));
+                }
+                Found::Writable(true) => {}
             }
         }
         Ok(polled)
@@ -1218,42 +1224,10 @@ impl Store {
         params: &[(&(dyn ToSql + Sync), Type)],
         map: impl Fn(&tokio_postgres::Row) -> Result<T, tokio_postgres::Error>,
     ) -> Result<Vec<T>, StoreError> {
-        self.query_checked(what, sql, params, map, false).await
-    }
-
-    /// [`Store::query_all`], with the check that the server takes writes
-    /// sent beside it (no round trip of its own).
-    async fn query_all_on_writable<T>(
-        &self,
-        what: &'static str,
-        sql: &str,
-        params: &[(&(dyn ToSql + Sync), Type)],
-        map: impl Fn(&tokio_postgres::Row) -> Result<T, tokio_postgres::Error>,
-    ) -> Result<Vec<T>, StoreError> {
-        self.query_checked(what, sql, params, map, true).await
-    }
-
-    async fn query_checked<T>(
-        &self,
-        what: &'static str,
-        sql: &str,
-        params: &[(&(dyn ToSql + Sync), Type)],
-        map: impl Fn(&tokio_postgres::Row) -> Result<T, tokio_postgres::Error>,
-        writable: bool,
-    ) -> Result<Vec<T>, StoreError> {
         let conn = self.connection().await?;
         let work = async {
-            let check = async {
-                if !writable {
-                    return Ok(true);
-                }
-                conn.query_typed_one(WRITABLE, &[]).await?.try_get(0)
-            };
-            let (writes, rows) = tokio::join!(check, conn.query_typed(sql, params));
-            if !writes? {
-                return Err(StoreError::ReadOnly);
-            }
-            Ok(rows?.iter().map(map).collect::<Result<Vec<T>, _>>()?)
+            let rows = conn.query_typed(sql, params).await?;
+            Ok(rows.iter().map(map).collect::<Result<Vec<T>, _>>()?)
         };
         let result = deadline(what, work).await;
         if result.is_err() {
@@ -1364,6 +1338,8 @@ enum Found {
     Pending(PendingTenant),
     Parked(String, i64),
     Listener(String),
+    /// Whether the server takes writes.
+    Writable(bool),
 }
 
 /// A tenant held by this relay: an open transaction with the advisory lock and

@@ -21,6 +21,11 @@
 -- rows have no tenant_id (which the table never has NULL). One statement per
 -- poll either way.
 --
+-- And whether the server takes writes (a last row with only `writable`): a
+-- pool left on a primary demoted in a failover (reads still work there)
+-- notices it, in the poll's own statement, so an idle relay sends one
+-- statement (one transaction) per poll.
+--
 -- And each tenant's count of parked rows (not discarded), for
 -- `outbox_parked_rows`: rows with a tenant_id, no id and a `parked` count,
 -- read from the small partial index of parked rows (the parked ones only).
@@ -57,16 +62,19 @@ WITH RECURSIVE pending(tenant_id, id, occurred_at) AS (
         (GREATEST(LEAST(COALESCE(date_part('epoch', clock_timestamp()) - date_part('epoch', occurred_at), 0),
                         315576000000), 0) * 1000)::bigint AS lag_ms,
         NULL::text AS listener,
-        NULL::bigint AS parked
+        NULL::bigint AS parked,
+        NULL::boolean AS writable
  FROM pending
  LIMIT $4)
 UNION ALL -- lifecycle (parked count)
-SELECT tenant_id, NULL, NULL, NULL, count(*) -- lifecycle (parked count)
+SELECT tenant_id, NULL, NULL, NULL, count(*), NULL -- lifecycle (parked count)
 FROM {table} -- lifecycle (parked count)
 WHERE parked_at IS NOT NULL AND discarded_at IS NULL -- lifecycle (parked count)
 GROUP BY tenant_id -- lifecycle (parked count)
 UNION ALL
-SELECT NULL, NULL, NULL, session.application_name, NULL
+SELECT NULL, NULL, NULL, session.application_name, NULL, NULL
 FROM pg_stat_get_activity(NULL) session
 WHERE session.application_name LIKE $1
   AND session.datid = (SELECT datid FROM pg_stat_get_activity(pg_backend_pid()))
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NOT current_setting('transaction_read_only')::boolean

@@ -21,5 +21,7 @@ mod rows;
 mod settlement;
 mod support;
 mod tls;
+mod twophase;
+mod upgrade;
 mod values;
 mod wakeup;

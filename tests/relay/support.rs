@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -648,7 +648,13 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> (u16, String) {
 
 /// The relay binary, with a clean environment of relay variables.
 pub fn relay_command() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_outbox-relay"));
+    binary_command(Path::new(env!("CARGO_BIN_EXE_outbox-relay")))
+}
+
+/// `binary` (a relay build) with none of the test process's relay
+/// variables.
+pub fn binary_command(binary: &Path) -> Command {
+    let mut command = Command::new(binary);
     for (name, _) in std::env::vars() {
         if name.starts_with("OUTBOX_")
             || name == "DATABASE_URL"
@@ -695,7 +701,15 @@ pub fn set_env(env: &mut Vec<(String, String)>, key: &str, value: impl Into<Stri
 
 /// A relay binary started with `env`, once it serves HTTP.
 pub async fn spawn_relay(env: &[(String, String)]) -> (RelayProcess, SocketAddr) {
-    let mut command = relay_command();
+    spawn_relay_of(relay_command(), env).await
+}
+
+/// `command` (a relay binary, this build's or another's) started with `env`,
+/// once it serves HTTP.
+pub async fn spawn_relay_of(
+    mut command: Command,
+    env: &[(String, String)],
+) -> (RelayProcess, SocketAddr) {
     command.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
     let mut process = RelayProcess::spawn(command);
     let mut addr = None;
