@@ -237,7 +237,14 @@ async fn a_broker_alarm_keeps_the_connection_and_resends_at_most_a_batch_per_ten
     let outbox = Outbox::create().await;
     let broker = Broker::create_on(&node.url(), &["#"]).await;
     let tenants = ["flow_a", "flow_b"];
-    let env = blocked_relay_env(&outbox, &broker, &tenants);
+    let mut env = blocked_relay_env(&outbox, &broker, &tenants);
+    // The alarm lasts many heartbeat intervals too: lapin sends no heartbeat
+    // while blocked, and neither side may take the silence for a dead peer.
+    set_env(
+        &mut env,
+        "OUTBOX_AMQP_URL",
+        format!("{}?heartbeat=2", node.url()),
+    );
     let (mut relay, http) = spawn_relay(&env).await;
     let mut committed = Committed::new();
     write_rows(&outbox, &tenants, 20, &mut committed).await;
@@ -259,8 +266,8 @@ async fn a_broker_alarm_keeps_the_connection_and_resends_at_most_a_batch_per_ten
     .await;
     // Hold the alarm for many confirm timeouts (1 s each), checking
     // throughout what an operator would.
-    let held = Instant::now();
-    while held.elapsed() < Duration::from_secs(10) {
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(10) {
         let (ready, body) = http_get(http, "/readyz").await;
         assert_eq!(ready, 200, "ready while blocked: {body}");
         let metrics = http_get(http, "/metrics").await.1;
@@ -272,6 +279,7 @@ async fn a_broker_alarm_keeps_the_connection_and_resends_at_most_a_batch_per_ten
             relay.output()
         );
     }
+    let held = started.elapsed();
     let metrics = http_get(http, "/metrics").await.1;
     let failed = sum(&metrics, "outbox_sweeps_total", "outcome=\"failed\"");
     let timeouts = sum(
@@ -311,6 +319,7 @@ async fn a_broker_alarm_keeps_the_connection_and_resends_at_most_a_batch_per_ten
     )
     .await;
     let duplicates = check_history(&outbox, &broker, &committed, Duration::from_secs(40)).await;
+    eprintln!("blocked {held:?}: {failed} sweeps failed, {duplicates} duplicates");
     assert!(
         duplicates <= BATCH * tenants.len(),
         "at most one batch per tenant is sent again: {duplicates}"
