@@ -884,3 +884,16 @@ async fn watch_session(session: &Session, blocked: &watch::Sender<bool>) -> Stri
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_block_is_a_timeout_written_on_no_row() {
+        let refusal = PublishError::Blocked.refusal();
+        assert_eq!(refusal.reason, FailureReason::Timeout);
+        assert!(!refusal.attributed, "the broker's trouble, not the row's");
+        assert!(refusal.detail.contains("blocks publishers"));
+    }
+}

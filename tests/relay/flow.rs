@@ -379,6 +379,7 @@ async fn sigterm_while_the_broker_blocks_stops_within_the_grace() {
         relay.output()
     );
     let took = asked.elapsed();
+    eprintln!("stopped {took:?} after SIGTERM while blocked");
     assert!(
         took < Duration::from_millis(2_000 + 1_500),
         "stopped {took:?} after SIGTERM, grace 2 s:\n{}",
