@@ -273,6 +273,11 @@ async fn a_broker_alarm_keeps_the_connection_and_resends_at_most_a_batch_per_ten
         let metrics = http_get(http, "/metrics").await.1;
         assert_eq!(metric(&metrics, "outbox_amqp_blocked"), Some(1.0));
         assert_eq!(metric(&metrics, "outbox_amqp_connected"), Some(1.0));
+        assert_eq!(
+            sum(&metrics, "outbox_tenant_backoff_seconds", "tenant="),
+            0.0,
+            "no tenant backs off for the block:\n{metrics}"
+        );
         assert!(
             node.relay_connections().await <= 1,
             "one relay connection on the broker:\n{}",
@@ -307,9 +312,16 @@ async fn a_broker_alarm_keeps_the_connection_and_resends_at_most_a_batch_per_ten
             "no row of {tenant} is blamed"
         );
     }
-    assert!(outbox.all_pending().await > 0, "the rows wait");
+    let waiting = outbox.all_pending().await;
+    assert!(waiting > 0, "the rows wait");
 
     drop(alarm);
+    eventually(
+        "delivery resumes at the unblock",
+        Duration::from_secs(15),
+        || async { outbox.all_pending().await < waiting },
+    )
+    .await;
     eventually(
         "outbox_amqp_blocked back to 0",
         Duration::from_secs(20),
