@@ -143,6 +143,7 @@ pub async fn serve(
     let broker = tokio::spawn(relay.publisher.clone().supervise(rest_stop.clone().fired()));
     let connected_gauge = tokio::spawn(mirror_connected(relay.clone()));
     let endpoint_gauge = tokio::spawn(mirror_endpoint(relay.clone()));
+    let blocked_gauge = tokio::spawn(mirror_blocked(relay.clone()));
     let wakeup = relay.config.wakeup.listens().then(|| {
         tokio::spawn(wakeup::run(
             relay.config.clone(),
@@ -182,7 +183,9 @@ pub async fn serve(
     let _ = broker.await;
     connected_gauge.abort();
     endpoint_gauge.abort();
+    blocked_gauge.abort();
     relay.metrics.set_amqp_connected(false);
+    relay.metrics.set_amqp_blocked(false);
     relay
         .metrics
         .set_amqp_endpoint(&relay.config.amqp_url.addresses(), None);
@@ -248,6 +251,18 @@ async fn mirror_connected(relay: Arc<Relay>) {
             .metrics
             .set_amqp_connected(*connected.borrow_and_update());
         if connected.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Keeps `outbox_amqp_blocked` in step with the broker's blocking of the
+/// connection.
+async fn mirror_blocked(relay: Arc<Relay>) {
+    let mut blocked = relay.publisher.watch_blocked();
+    loop {
+        relay.metrics.set_amqp_blocked(*blocked.borrow_and_update());
+        if blocked.changed().await.is_err() {
             return;
         }
     }

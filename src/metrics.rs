@@ -69,6 +69,7 @@ pub struct Metrics {
     /// Written by the scheduler's poll alone.
     parked: Arc<TenantFamily>,
     amqp_connected: IntGauge,
+    amqp_blocked: IntGauge,
     amqp_endpoint: IntGaugeVec,
     database_up: IntGauge,
     max_lag: Gauge,
@@ -151,6 +152,11 @@ impl Metrics {
             "Whether the broker connection is up (1) or not (0).",
         )
         .expect("valid metric");
+        let amqp_blocked = IntGauge::new(
+            "outbox_amqp_blocked",
+            "Whether the broker blocks the relay's connection (connection.blocked, a resource alarm): 1 while it does; nothing is published meanwhile.",
+        )
+        .expect("valid metric");
         let amqp_endpoint = IntGaugeVec::new(
             Opts::new(
                 "outbox_amqp_endpoint",
@@ -220,6 +226,7 @@ impl Metrics {
             writer_wait.clone(),
             parked.clone(),
             Arc::new(amqp_connected.clone()),
+            Arc::new(amqp_blocked.clone()),
             Arc::new(amqp_endpoint.clone()),
             Arc::new(database_up.clone()),
             Arc::new(max_lag.clone()),
@@ -257,6 +264,7 @@ impl Metrics {
             writer_wait,
             parked,
             amqp_connected,
+            amqp_blocked,
             amqp_endpoint,
             database_up,
             max_lag,
@@ -420,6 +428,10 @@ impl Metrics {
         self.amqp_connected.set(i64::from(connected));
     }
 
+    pub fn set_amqp_blocked(&self, blocked: bool) {
+        self.amqp_blocked.set(i64::from(blocked));
+    }
+
     /// The broker endpoints configured, `host:port` each, the one connected
     /// to (by index) at 1 and every other at 0; a series per endpoint, so
     /// the labels are bounded by configuration.
@@ -523,6 +535,7 @@ mod tests {
             "outbox_settlement_retries_total{outcome=\"gave_up\"} 0",
             "outbox_resent_rows_total 0",
             "outbox_amqp_connected 0",
+            "outbox_amqp_blocked 0",
             "outbox_database_up 0",
             "outbox_max_lag_seconds 0",
             "outbox_build_info{version=\"",

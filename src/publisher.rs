@@ -11,6 +11,13 @@
 //! send. The sweep drives a [`Publishing`], which tells it each time the
 //! confirmed prefix has grown by a step, and at last the batch's report.
 //!
+//! A broker that blocks publishers (`connection.blocked`, a resource alarm)
+//! keeps its connection: lapin writes no frame on it until it is unblocked,
+//! so nothing new is handed to it meanwhile (see [`Publisher::can_publish`]),
+//! the confirms in flight end as timeouts that drop nothing, and the
+//! connection is neither reset nor closed while the block lasts. Only a
+//! silent connection that is not blocked is dropped and made again.
+//!
 //! A row that may make the broker close a channel (a suspect, see
 //! `isolation`) goes alone, on a channel of its own: a batch is published
 //! either as a run of such rows, one at a time, or as a run of the others on
@@ -69,14 +76,20 @@ pub enum PublishError {
     Channel(#[source] lapin::Error),
     #[error("opening a channel timed out")]
     ChannelTimeout,
+    #[error("{BLOCKED}")]
+    Blocked,
 }
+
+/// Why nothing more is sent while the broker blocks the connection: the
+/// sweep's refusal (reason `timeout`, written on no row).
+pub(crate) const BLOCKED: &str = "the broker blocks publishers (connection.blocked: a resource alarm); the rows wait for it to unblock";
 
 impl PublishError {
     /// What a batch that met this error reports for its first row: the
     /// broker's trouble, not the row's, so nothing is written on the row.
     fn refusal(&self) -> Refusal {
         let reason = match self {
-            PublishError::ChannelTimeout => FailureReason::Timeout,
+            PublishError::ChannelTimeout | PublishError::Blocked => FailureReason::Timeout,
             _ => FailureReason::Connection,
         };
         Refusal::shared(reason, self.to_string())
@@ -111,9 +124,18 @@ struct Session {
 }
 
 impl Session {
-    fn is_usable(&self) -> bool {
-        let status = self.connection.status();
-        status.connected() && !status.blocked()
+    /// The broker has blocked the connection (and not unblocked it since):
+    /// lapin writes nothing on it meanwhile.
+    fn is_blocked(&self) -> bool {
+        self.connection.status().blocked()
+    }
+
+    /// A publish failed or timed out: drop the connection, unless the broker
+    /// blocks it, which explains the silence (it is kept until unblocked).
+    fn broke(&self) {
+        if !self.is_blocked() {
+            self.broken.notify_one();
+        }
     }
 
     /// The shared channel, opened anew if there is none or it failed.
@@ -129,6 +151,7 @@ impl Session {
         let channel = ConfirmChannel::start(
             channel,
             self.frame_max(),
+            self.connection.status().clone(),
             Arc::downgrade(self),
             inner.isolation.clone(),
         );
@@ -168,6 +191,8 @@ struct Inner {
     confirm_timeout: Duration,
     session: Mutex<Option<Arc<Session>>>,
     connected: watch::Sender<bool>,
+    /// The broker blocks the connection (`connection.blocked`).
+    blocked: watch::Sender<bool>,
     /// The endpoint connected to, by its index in the target.
     endpoint: watch::Sender<Option<usize>>,
     /// Rows to send alone, and what the broker's refusals taught.
@@ -206,6 +231,7 @@ impl Publisher {
             other => ExchangeKind::Custom(other.to_string()),
         };
         let (connected, _) = watch::channel(false);
+        let (blocked, _) = watch::channel(false);
         let (endpoint, _) = watch::channel(None);
         Ok(Publisher {
             inner: Arc::new(Inner {
@@ -218,20 +244,37 @@ impl Publisher {
                 confirm_timeout: config.confirm_timeout(),
                 session: Mutex::new(None),
                 connected,
+                blocked,
                 endpoint,
                 isolation: Arc::new(Isolation::new(&config.exchange, config.declare_exchange)),
             }),
         })
     }
 
-    /// Connected, and the broker is not blocking publishers.
+    /// Connected to the broker, blocked or not: a blocked connection is up
+    /// and kept, and delivery resumes by itself when the broker unblocks it.
     pub fn is_ready(&self) -> bool {
-        self.session().is_some_and(|s| s.is_usable())
+        self.session()
+            .is_some_and(|s| s.connection.status().connected())
+    }
+
+    /// Connected, and the broker is not blocking publishers: sweeps may start.
+    pub fn can_publish(&self) -> bool {
+        self.session().is_some_and(|s| {
+            let status = s.connection.status();
+            status.connected() && !status.blocked()
+        })
     }
 
     /// A receiver that changes whenever the connection comes up or goes down.
     pub fn watch_connected(&self) -> watch::Receiver<bool> {
         self.inner.connected.subscribe()
+    }
+
+    /// A receiver that changes whenever the broker blocks or unblocks the
+    /// connection (`false` while not connected).
+    pub fn watch_blocked(&self) -> watch::Receiver<bool> {
+        self.inner.blocked.subscribe()
     }
 
     /// A receiver that changes whenever the endpoint connected to does
@@ -253,6 +296,9 @@ impl Publisher {
         *self.inner.session.lock().unwrap_or_else(|e| e.into_inner()) = session;
         self.inner.connected.send_replace(endpoint.is_some());
         self.inner.endpoint.send_replace(endpoint);
+        if endpoint.is_none() {
+            self.inner.blocked.send_replace(false);
+        }
     }
 
     /// Keeps a connection up until `shutdown` resolves, then closes it
@@ -277,7 +323,7 @@ impl Publisher {
                     tracing::info!(%endpoint, "connected to the broker");
                     self.set_session(Some(session.clone()));
                     let reason = tokio::select! {
-                        reason = watch_session(&session) => reason,
+                        reason = watch_session(&session, &self.inner.blocked) => reason,
                         () = &mut shutdown => {
                             self.close().await;
                             return;
@@ -343,18 +389,26 @@ impl Publisher {
     }
 
     /// Drops the connection (after a confirm timeout or a lost channel); the
-    /// supervisor reconnects.
+    /// supervisor reconnects. Not while the broker blocks it (see
+    /// [`Session::broke`]).
     pub fn reset(&self) {
         if let Some(session) = self.session() {
-            session.broken.notify_one();
+            session.broke();
         }
     }
 
-    /// Closes the connection cleanly (shutdown).
+    /// Closes the connection cleanly (shutdown). A blocked connection can
+    /// write no `connection.close`: it is dropped at once.
     pub async fn close(&self) {
         let session = self.session();
         self.set_session(None);
         if let Some(session) = session {
+            if session.is_blocked() {
+                tracing::warn!(
+                    "the broker blocks the connection, which can send nothing: dropped without closing"
+                );
+                return;
+            }
             let channel = session.confirm_channel.lock().await.take();
             if let Some(channel) = channel {
                 let _ = tokio::time::timeout(
@@ -408,7 +462,7 @@ impl Publisher {
     /// meanwhile: it is bounded as a confirm is (`confirm_timeout_ms`), so
     /// that the claim's idle bound (`Config::claim_idle_timeout`) covers it.
     async fn confirm_channel(&self) -> Result<Arc<ConfirmChannel>, PublishError> {
-        let session = self.session().ok_or(PublishError::NotConnected)?;
+        let session = self.publishing_session()?;
         let opened = tokio::time::timeout(
             self.inner.confirm_timeout,
             session.confirm_channel(&self.inner),
@@ -421,13 +475,28 @@ impl Publisher {
     /// connection's frame size; a failure drops the connection. Bounded as
     /// [`Self::confirm_channel`] is.
     async fn channel_alone(&self) -> Result<(Channel, u32), PublishError> {
-        let session = self.session().ok_or(PublishError::NotConnected)?;
+        let session = self.publishing_session()?;
         let opened = tokio::time::timeout(
             self.inner.confirm_timeout,
             session.open_channel(&self.inner),
         )
         .await;
         Ok((self.opened(opened)?, session.frame_max()))
+    }
+
+    /// The session, if it is connected and not blocked: a channel opened
+    /// on a blocked connection would wait for the unblock.
+    fn publishing_session(&self) -> Result<Arc<Session>, PublishError> {
+        let session = self.session().ok_or(PublishError::NotConnected)?;
+        if session.is_blocked() {
+            return Err(PublishError::Blocked);
+        }
+        Ok(session)
+    }
+
+    /// The broker blocks the connection in use: nothing more is to be sent.
+    fn is_blocked(&self) -> bool {
+        self.session().is_some_and(|s| s.is_blocked())
     }
 
     fn opened<T>(
@@ -508,6 +577,15 @@ impl Publishing<'_> {
                     continue;
                 }
                 if now.in_flight < self.publisher.inner.max_in_flight {
+                    if channel.is_blocked() {
+                        // Nothing new is handed to lapin: the rows from here
+                        // wait for the unblock; those in flight are settled.
+                        self.batch
+                            .state()
+                            .report
+                            .refuse(self.sent, Refusal::shared(FailureReason::Timeout, BLOCKED));
+                        continue;
+                    }
                     self.send(&channel);
                     continue;
                 }
@@ -539,6 +617,10 @@ impl Publishing<'_> {
             if !self.lease.is_held() {
                 break;
             }
+            if publisher.is_blocked() {
+                report.refuse(index, Refusal::shared(FailureReason::Timeout, BLOCKED));
+                break;
+            }
             let sent = match inner.envelope.message(self.tenant, row, frame_max) {
                 Ok(message) => {
                     isolation::send_alone(
@@ -555,9 +637,14 @@ impl Publishing<'_> {
             };
             match sent {
                 Ok(confirmed_at) => report.confirmed_at.push(confirmed_at),
-                Err(refusal) => {
+                Err(mut refusal) => {
                     if refusal.reason == FailureReason::Timeout {
-                        // A silent connection: drop it, as the collector does.
+                        if publisher.is_blocked() {
+                            // Not the row's doing: the broker blocks.
+                            refusal = Refusal::shared(FailureReason::Timeout, BLOCKED);
+                        }
+                        // A silent connection: drop it, as the collector
+                        // does (not while blocked, see `Session::broke`).
                         publisher.reset();
                     }
                     report.refuse(index, refusal);
@@ -748,13 +835,22 @@ pub async fn open_connection(
     }
 }
 
-/// Resolves when the session can no longer be used, with why.
-async fn watch_session(session: &Session) -> String {
+/// Resolves when the session can no longer be used, with why; meanwhile
+/// keeps `blocked` in step with the broker's blocking of the connection.
+async fn watch_session(session: &Session, blocked: &watch::Sender<bool>) -> String {
     let mut events = session.connection.events_listener();
     let mut check = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
-            () = session.broken.notified() => return "a publish failed or timed out".into(),
+            () = session.broken.notified() => {
+                // Asked for before the block was seen: the block explains
+                // the silence, and the connection is kept.
+                if session.is_blocked() {
+                    tracing::debug!("a publish timed out while the broker blocks; the connection is kept");
+                } else {
+                    return "a publish failed or timed out".into();
+                }
+            }
             event = events.next() => match event {
                 // A channel the broker closed (one message's refusal, say)
                 // is the channel's business: the connection goes on.
@@ -763,9 +859,13 @@ async fn watch_session(session: &Session) -> String {
                 }
                 Some(Event::Error(error)) => return error.to_string(),
                 Some(Event::ConnectionBlocked(reason)) => {
-                    tracing::warn!(%reason, "the broker is blocking publishers");
+                    tracing::warn!(%reason, "the broker is blocking publishers; the connection is kept, and the rows wait until it unblocks");
+                    blocked.send_replace(true);
                 }
-                Some(Event::ConnectionUnblocked) => tracing::info!("the broker unblocked publishers"),
+                Some(Event::ConnectionUnblocked) => {
+                    tracing::info!("the broker unblocked publishers");
+                    blocked.send_replace(false);
+                }
                 Some(_) => {}
                 None => return "the connection ended".into(),
             },
@@ -774,7 +874,26 @@ async fn watch_session(session: &Session) -> String {
                 if !status.connected() {
                     return "the connection is no longer open".into();
                 }
+                // The events may have been missed (a lagging listener).
+                blocked.send_if_modified(|was| {
+                    let changed = *was != status.blocked();
+                    *was = status.blocked();
+                    changed
+                });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_block_is_a_timeout_written_on_no_row() {
+        let refusal = PublishError::Blocked.refusal();
+        assert_eq!(refusal.reason, FailureReason::Timeout);
+        assert!(!refusal.attributed, "the broker's trouble, not the row's");
+        assert!(refusal.detail.contains("blocks publishers"));
     }
 }

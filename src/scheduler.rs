@@ -554,6 +554,8 @@ struct Seen {
 pub async fn run(relay: Arc<Relay>, shutdown: Shutdown) {
     let mut scheduler = Scheduler::new(relay);
     let mut broker = scheduler.relay.publisher.watch_connected();
+    // Sweeps wait while the broker blocks publishers, and start at the unblock.
+    let mut blocked = scheduler.relay.publisher.watch_blocked();
     let wakeups = scheduler.relay.wakeups.clone();
     let stop = shutdown.fired();
     tokio::pin!(stop);
@@ -569,6 +571,7 @@ pub async fn run(relay: Arc<Relay>, shutdown: Shutdown) {
                 scheduler.polled(result);
             }
             _ = broker.changed() => {}
+            _ = blocked.changed() => {}
             () = wakeups.arrived() => scheduler.woken(Instant::now()),
             checked = async { scheduler.writers_check.as_mut().expect("guarded by the branch condition").await }, if scheduler.writers_check.is_some() => {
                 scheduler.writers_check = None;
@@ -751,7 +754,7 @@ impl Scheduler {
             && self.schedule.ready_len() >= BUSY_QUEUE
             && self.database_up == Some(true)
             && self.member
-            && self.relay.publisher.is_ready()
+            && self.relay.publisher.can_publish()
             && self
                 .last_poll
                 .is_some_and(|at| now < at + busy_poll_interval(poll_interval, self.last_poll_took))
@@ -803,7 +806,7 @@ impl Scheduler {
                 .metrics
                 .set_backoff(self.schedule.name(woken), Duration::ZERO);
         }
-        if self.relay.publisher.is_ready() && self.database_up != Some(false) {
+        if self.relay.publisher.can_publish() && self.database_up != Some(false) {
             while self.sweeps.len() < self.relay.config.concurrency {
                 let Some(tenant) = self.schedule.next_ready() else {
                     break;

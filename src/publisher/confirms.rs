@@ -16,6 +16,10 @@
 //! message's return before its ack, so by then the return has reached one of
 //! those confirms and been routed.
 //!
+//! A confirm not seen by its deadline while the broker blocks the connection
+//! (`connection.blocked`) is a timeout that names no row and keeps the
+//! connection: the block explains the silence (see the `publisher` module).
+//!
 //! When the broker closes the channel, every confirm still open fails alike:
 //! the collector judges the broker's reason once (see `isolation`), blames no
 //! row for it, and names the rows in flight as suspects to be sent again
@@ -33,7 +37,7 @@ use futures_util::future::{MaybeDone, maybe_done};
 use lapin::message::BasicReturnMessage;
 use lapin::options::BasicPublishOptions;
 use lapin::types::ShortString;
-use lapin::{Channel, Confirmation};
+use lapin::{Channel, Confirmation, ConnectionStatus};
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
@@ -65,6 +69,8 @@ pub(super) struct ConfirmChannel {
     /// The connection's negotiated frame size, which every message's
     /// properties must fit (see `envelope`).
     frame_max: u32,
+    /// The connection's status: whether the broker blocks it.
+    status: ConnectionStatus,
 }
 
 /// The channel's counts, shared by the publishing sweeps and the collector.
@@ -183,6 +189,7 @@ impl ConfirmChannel {
     pub fn start(
         channel: Channel,
         frame_max: u32,
+        status: ConnectionStatus,
         session: Weak<Session>,
         isolation: Arc<Isolation>,
     ) -> Arc<ConfirmChannel> {
@@ -196,6 +203,7 @@ impl ConfirmChannel {
             broken: broken.clone(),
             session,
             isolation,
+            status: status.clone(),
             closed_by_broker: false,
         };
         let collector = tokio::spawn(collector.run(submissions));
@@ -206,11 +214,18 @@ impl ConfirmChannel {
             broken,
             collector,
             frame_max,
+            status,
         })
     }
 
     pub fn frame_max(&self) -> u32 {
         self.frame_max
+    }
+
+    /// The broker blocks the connection: nothing is to be published on it
+    /// (lapin would hold it until the unblock).
+    pub fn is_blocked(&self) -> bool {
+        self.status.blocked()
     }
 
     /// Open, and no confirm on it has timed out or failed.
@@ -351,6 +366,8 @@ struct Collector {
     broken: Arc<AtomicBool>,
     session: Weak<Session>,
     isolation: Arc<Isolation>,
+    /// The connection's status: whether the broker blocks it.
+    status: ConnectionStatus,
     /// The broker closed the channel over a message or the configuration
     /// (every confirm still open fails with it: it is logged once, and what
     /// fails on the channel after it is no row's doing).
@@ -433,6 +450,15 @@ impl Collector {
         let mut refusal = None;
         let mut reset = false;
         match outcome {
+            None if self.status.blocked() => {
+                // The broker blocks the connection: it is kept, and the row
+                // is not blamed. (The channel is retired all the same: the
+                // confirm may still come, after the unblock.)
+                refusal = Some(Refusal::shared(
+                    FailureReason::Timeout,
+                    format!("no confirm from the broker in time: {}", super::BLOCKED),
+                ));
+            }
             None => {
                 reset = true;
                 refusal = Some(self.not_the_rows(
@@ -509,7 +535,7 @@ impl Collector {
         if reset {
             // A silent or lost connection: drop it; the supervisor reconnects.
             if let Some(session) = self.session.upgrade() {
-                session.broken.notify_one();
+                session.broke();
             }
         }
         add_touched(touched, &published.batch);

@@ -9,6 +9,7 @@ mod discovery;
 mod endpoints;
 mod failover;
 mod faults;
+mod flow;
 mod http;
 mod lifecycle;
 mod memory;

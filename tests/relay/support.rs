@@ -295,8 +295,9 @@ impl Received {
     }
 }
 
-/// Tests that publish hold this shared; the one that blocks the whole broker
-/// (memory alarm) holds it exclusively, so it never runs beside them. The
+/// Tests that publish hold this shared; one that changes the whole broker
+/// (its `max_message_size`) holds it exclusively, so it never runs beside
+/// them. (A memory alarm is raised on a private node only: `flow`.) The
 /// lock is fair: a test must take its share once, however many exchanges it
 /// makes ([`Broker::create_several`]); a second share asked for while a
 /// writer waits would wait behind it, and the writer behind the first.
@@ -311,6 +312,8 @@ fn broker_lock() -> Arc<tokio::sync::RwLock<()>> {
 enum BrokerGuard {
     Shared(tokio::sync::OwnedRwLockReadGuard<()>),
     Exclusive(tokio::sync::OwnedRwLockWriteGuard<()>),
+    /// Not on the machine's broker.
+    None,
 }
 
 /// A private topic exchange with a queue and a consumer that records every delivery.
@@ -328,7 +331,13 @@ impl Broker {
     /// Declares the exchange and the consumer's queue, bound with `keys`.
     pub async fn create(keys: &[&str]) -> Broker {
         let guard = BrokerGuard::Shared(broker_lock().read_owned().await);
-        Broker::create_with(keys, Arc::new(guard)).await
+        Broker::create_with(AMQP_URL, keys, Arc::new(guard)).await
+    }
+
+    /// As [`Broker::create`], on the broker at `url` (a private node of the
+    /// test's own: the machine's broker is not locked for it).
+    pub async fn create_on(url: &str, keys: &[&str]) -> Broker {
+        Broker::create_with(url, keys, Arc::new(BrokerGuard::None)).await
     }
 
     /// `n` of [`Broker::create`], under one share of the broker's lock.
@@ -336,7 +345,7 @@ impl Broker {
         let guard = Arc::new(BrokerGuard::Shared(broker_lock().read_owned().await));
         let mut brokers = Vec::with_capacity(n);
         for _ in 0..n {
-            brokers.push(Broker::create_with(keys, guard.clone()).await);
+            brokers.push(Broker::create_with(AMQP_URL, keys, guard.clone()).await);
         }
         brokers
     }
@@ -344,13 +353,13 @@ impl Broker {
     /// As [`Broker::create`], while no other test uses the broker.
     pub async fn create_exclusive(keys: &[&str]) -> Broker {
         let guard = BrokerGuard::Exclusive(broker_lock().write_owned().await);
-        Broker::create_with(keys, Arc::new(guard)).await
+        Broker::create_with(AMQP_URL, keys, Arc::new(guard)).await
     }
 
-    async fn create_with(keys: &[&str], guard: Arc<BrokerGuard>) -> Broker {
+    async fn create_with(url: &str, keys: &[&str], guard: Arc<BrokerGuard>) -> Broker {
         let exchange = unique("x");
         let queue = unique("q");
-        let connection = Connection::connect(AMQP_URL, ConnectionProperties::default())
+        let connection = Connection::connect(url, ConnectionProperties::default())
             .await
             .expect("the broker is reachable");
         let channel = connection.create_channel().await.expect("channel");

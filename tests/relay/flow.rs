@@ -1,0 +1,405 @@
+//! Broker flow control: a broker that blocks publishers (a resource alarm,
+//! `connection.blocked`) while the relay runs, on a RabbitMQ node of this
+//! test run's own (never the machine's broker, which other tests share).
+//!
+//! What an operator checks: the relay keeps its one connection (counted on
+//! the node), `/readyz` stays 200 and `outbox_amqp_blocked` is 1 while
+//! blocked, the sweeps caught by the block end `failed` with reason
+//! `timeout` and blame no row, delivery resumes at the unblock with at most
+//! one batch of duplicates per tenant being swept, and SIGTERM still stops
+//! the relay within its grace.
+
+use std::collections::BTreeMap;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::support::{
+    Broker, Outbox, check_history, eventually, free_port, http_get, metric, relay_env, set_env,
+    spawn_relay, unique,
+};
+
+/// A RabbitMQ node of this test run's own, started once (10–20 s) from the
+/// machine's installation, as the `rabbitmq` user, with its own node name,
+/// AMQP and distribution ports, configuration, data and logs under a
+/// directory of its own. Its shell parent stops it and removes the directory
+/// when this process exits and its stdin closes.
+struct Node {
+    name: String,
+    port: u16,
+    _stdin: Mutex<ChildStdin>,
+    _child: Mutex<Child>,
+}
+
+/// The alarm is the whole node's: tests that raise it take turns.
+fn turns() -> &'static tokio::sync::Mutex<()> {
+    static TURNS: OnceLock<tokio::sync::Mutex<()>> = OnceLock::new();
+    TURNS.get_or_init(|| tokio::sync::Mutex::new(()))
+}
+
+fn node() -> &'static Node {
+    static NODE: OnceLock<Node> = OnceLock::new();
+    NODE.get_or_init(Node::start)
+}
+
+impl Node {
+    fn start() -> Node {
+        let dir = std::env::temp_dir().join(unique("outbox-relay-rabbit"));
+        std::fs::create_dir_all(dir.join("mnesia")).expect("node dir");
+        std::fs::create_dir_all(dir.join("log")).expect("node dir");
+        let port = free_port();
+        let dist_port = free_port();
+        let name = format!("{}@localhost", unique("outbox-relay-flow"));
+        std::fs::write(
+            dir.join("rabbitmq.conf"),
+            format!("listeners.tcp.default = 127.0.0.1:{port}\nloopback_users = none\n"),
+        )
+        .expect("rabbitmq.conf");
+        std::fs::write(dir.join("enabled_plugins"), "[].\n").expect("enabled_plugins");
+        // Empty: the machine's rabbitmq-env.conf names the machine's node.
+        std::fs::write(dir.join("rabbitmq-env.conf"), "").expect("rabbitmq-env.conf");
+        let status = Command::new("chown")
+            .args(["-R", "rabbitmq:rabbitmq"])
+            .arg(&dir)
+            .status()
+            .expect("chown");
+        assert!(status.success());
+        let dir_text = dir.display().to_string();
+        let script = r#"
+            dir=$1
+            /usr/lib/rabbitmq/bin/rabbitmq-server >"$dir/log/stdout" 2>&1 &
+            pid=$!
+            cat >/dev/null
+            kill -TERM "$pid"
+            wait "$pid"
+            rm -rf "$dir"
+        "#;
+        let env = [
+            ("RABBITMQ_NODENAME", name.clone()),
+            ("RABBITMQ_NODE_IP_ADDRESS", "127.0.0.1".to_string()),
+            ("RABBITMQ_NODE_PORT", port.to_string()),
+            ("RABBITMQ_DIST_PORT", dist_port.to_string()),
+            ("RABBITMQ_CONFIG_FILE", format!("{dir_text}/rabbitmq.conf")),
+            (
+                "RABBITMQ_CONF_ENV_FILE",
+                format!("{dir_text}/rabbitmq-env.conf"),
+            ),
+            ("RABBITMQ_MNESIA_BASE", format!("{dir_text}/mnesia")),
+            ("RABBITMQ_LOG_BASE", format!("{dir_text}/log")),
+            (
+                "RABBITMQ_ENABLED_PLUGINS_FILE",
+                format!("{dir_text}/enabled_plugins"),
+            ),
+            ("RABBITMQ_PLUGINS_EXPAND_DIR", format!("{dir_text}/plugins")),
+            ("RABBITMQ_PID_FILE", format!("{dir_text}/pid")),
+            // The machine's Erlang cookie, which `rabbitmqctl` uses too.
+            ("HOME", "/var/lib/rabbitmq".to_string()),
+            ("ERL_EPMD_ADDRESS", "127.0.0.1".to_string()),
+            (
+                "ERL_FLAGS",
+                "-kernel inet_dist_use_interface {127,0,0,1}".to_string(),
+            ),
+        ];
+        let mut child = Command::new("runuser")
+            .args(["-u", "rabbitmq", "--", "sh", "-c", script, "sh", &dir_text])
+            .envs(env)
+            .current_dir("/var/lib/rabbitmq")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("rabbitmq-server starts");
+        let stdin = child.stdin.take().expect("stdin");
+        let node = Node {
+            name,
+            port,
+            _stdin: Mutex::new(stdin),
+            _child: Mutex::new(child),
+        };
+        let deadline = Instant::now() + Duration::from_secs(90);
+        while !node.try_ctl(&["await_startup", "--timeout", "10"]).0 {
+            assert!(
+                Instant::now() < deadline,
+                "the private RabbitMQ node did not start within 90 s: {}",
+                std::fs::read_to_string(dir.join("log/stdout")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        node
+    }
+
+    fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
+    /// `rabbitmqctl` against this node: whether it succeeded, and its output.
+    fn try_ctl(&self, args: &[&str]) -> (bool, String) {
+        let output = Command::new("rabbitmqctl")
+            .args(["-q", "-n", &self.name])
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("rabbitmqctl runs");
+        (
+            output.status.success(),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+        )
+    }
+
+    fn ctl(&self, args: &[&str]) -> String {
+        let (ok, output) = self.try_ctl(args);
+        assert!(ok, "rabbitmqctl {args:?} failed: {output}");
+        output
+    }
+
+    /// Connections on the node that the relay opened (it names them).
+    async fn relay_connections(&'static self) -> usize {
+        tokio::task::spawn_blocking(|| {
+            self.ctl(&[
+                "list_connections",
+                "--no-table-headers",
+                "client_properties",
+            ])
+            .lines()
+            .filter(|line| line.contains("outbox-relay"))
+            .count()
+        })
+        .await
+        .expect("rabbitmqctl")
+    }
+
+    /// Raises the memory alarm: the node blocks every connection that
+    /// publishes, until the alarm is dropped.
+    fn alarm(&'static self) -> Alarm {
+        self.ctl(&["set_vm_memory_high_watermark", "0"]);
+        Alarm(self)
+    }
+}
+
+/// The node's memory alarm, cleared when dropped (even if the test fails).
+struct Alarm(&'static Node);
+
+impl Drop for Alarm {
+    fn drop(&mut self) {
+        let _ = self.0.try_ctl(&["set_vm_memory_high_watermark", "0.4"]);
+    }
+}
+
+/// Committed ids per tenant.
+type Committed = BTreeMap<String, Vec<i64>>;
+
+async fn write_rows(outbox: &Outbox, tenants: &[&str], per_tenant: i64, committed: &mut Committed) {
+    for tenant in tenants {
+        committed
+            .entry(tenant.to_string())
+            .or_default()
+            .extend(outbox.insert_many(tenant, per_tenant).await);
+    }
+}
+
+/// The sum of every series of `name` whose labels contain `needle`.
+fn sum(metrics: &str, name: &str, needle: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(name) && l.contains(needle))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The relay binary on the private node for `tenants`, with a narrow
+/// confirm timeout so that an alarm lasts many of them.
+fn blocked_relay_env(outbox: &Outbox, broker: &Broker, tenants: &[&str]) -> Vec<(String, String)> {
+    let mut env = relay_env(outbox, broker, tenants);
+    set_env(&mut env, "OUTBOX_AMQP_URL", node().url());
+    set_env(&mut env, "OUTBOX_BATCH_SIZE", "100");
+    set_env(&mut env, "OUTBOX_CONFIRM_TIMEOUT_MS", "1000");
+    set_env(&mut env, "OUTBOX_MAX_BACKOFF_MS", "500");
+    env
+}
+
+/// A private node started once for this run, on a blocking thread.
+async fn private_node() -> &'static Node {
+    tokio::task::spawn_blocking(node)
+        .await
+        .expect("the private node starts")
+}
+
+const BATCH: usize = 100;
+
+/// An alarm many confirm timeouts long: the relay keeps its one connection,
+/// stays ready, shows the block, blames no row, and once the alarm clears
+/// delivers everything in order with at most one batch of duplicates per
+/// tenant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_alarm_keeps_the_connection_and_resends_at_most_a_batch_per_tenant() {
+    let node = private_node().await;
+    let _turn = turns().lock().await;
+    let outbox = Outbox::create().await;
+    let broker = Broker::create_on(&node.url(), &["#"]).await;
+    let tenants = ["flow_a", "flow_b"];
+    let mut env = blocked_relay_env(&outbox, &broker, &tenants);
+    // The alarm lasts many heartbeat intervals too: lapin sends no heartbeat
+    // while blocked, and neither side may take the silence for a dead peer.
+    set_env(
+        &mut env,
+        "OUTBOX_AMQP_URL",
+        format!("{}?heartbeat=2", node.url()),
+    );
+    let (mut relay, http) = spawn_relay(&env).await;
+    let mut committed = Committed::new();
+    write_rows(&outbox, &tenants, 20, &mut committed).await;
+    eventually("the first rows go out", Duration::from_secs(20), || async {
+        outbox.all_pending().await == 0
+    })
+    .await;
+    assert_eq!(node.relay_connections().await, 1);
+
+    let alarm = node.alarm();
+    write_rows(&outbox, &tenants, 300, &mut committed).await;
+    eventually(
+        "outbox_amqp_blocked is 1 once the relay publishes into the alarm",
+        Duration::from_secs(20),
+        || async {
+            metric(&http_get(http, "/metrics").await.1, "outbox_amqp_blocked") == Some(1.0)
+        },
+    )
+    .await;
+    // Hold the alarm for many confirm timeouts (1 s each), checking
+    // throughout what an operator would.
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(10) {
+        let (ready, body) = http_get(http, "/readyz").await;
+        assert_eq!(ready, 200, "ready while blocked: {body}");
+        let metrics = http_get(http, "/metrics").await.1;
+        assert_eq!(metric(&metrics, "outbox_amqp_blocked"), Some(1.0));
+        assert_eq!(metric(&metrics, "outbox_amqp_connected"), Some(1.0));
+        assert_eq!(
+            sum(&metrics, "outbox_tenant_backoff_seconds", "tenant="),
+            0.0,
+            "no tenant backs off for the block:\n{metrics}"
+        );
+        assert!(
+            node.relay_connections().await <= 1,
+            "one relay connection on the broker:\n{}",
+            relay.output()
+        );
+    }
+    let held = started.elapsed();
+    let metrics = http_get(http, "/metrics").await.1;
+    let failed = sum(&metrics, "outbox_sweeps_total", "outcome=\"failed\"");
+    let timeouts = sum(
+        &metrics,
+        "outbox_publish_failures_total",
+        "reason=\"timeout\"",
+    );
+    let other = sum(&metrics, "outbox_publish_failures_total", "reason=") - timeouts;
+    assert!(
+        failed >= 1.0,
+        "the sweeps caught by the block failed:\n{metrics}"
+    );
+    assert_eq!(failed, timeouts, "each failed as a timeout:\n{metrics}");
+    assert_eq!(other, 0.0, "{metrics}");
+    // Not a loop of sweeps or reconnects: a sweep caught by the block ends,
+    // and no new one starts until the unblock.
+    assert!(
+        failed <= 2.0 * tenants.len() as f64,
+        "sweeps do not retry into the block: {failed} failed"
+    );
+    for tenant in tenants {
+        assert_eq!(
+            outbox.blamed(tenant).await,
+            0,
+            "no row of {tenant} is blamed"
+        );
+    }
+    let waiting = outbox.all_pending().await;
+    assert!(waiting > 0, "the rows wait");
+
+    drop(alarm);
+    eventually(
+        "delivery resumes at the unblock",
+        Duration::from_secs(15),
+        || async { outbox.all_pending().await < waiting },
+    )
+    .await;
+    eventually(
+        "outbox_amqp_blocked back to 0",
+        Duration::from_secs(20),
+        || async {
+            metric(&http_get(http, "/metrics").await.1, "outbox_amqp_blocked") == Some(0.0)
+        },
+    )
+    .await;
+    let duplicates = check_history(&outbox, &broker, &committed, Duration::from_secs(40)).await;
+    eprintln!("blocked {held:?}: {failed} sweeps failed, {duplicates} duplicates");
+    assert!(
+        duplicates <= BATCH * tenants.len(),
+        "at most one batch per tenant is sent again: {duplicates}"
+    );
+    assert_eq!(
+        node.relay_connections().await,
+        1,
+        "still the one connection"
+    );
+    let output = relay.output();
+    assert!(
+        !output.contains("reconnecting"),
+        "the connection was never dropped:\n{output}"
+    );
+    relay.signal("TERM");
+    assert_eq!(relay.wait(Duration::from_secs(20)).await, Some(0));
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+/// SIGTERM while the broker blocks: the sweep waiting for its confirms is
+/// abandoned at the grace (its rows stay pending, unblamed), the blocked
+/// connection is dropped without a close it could not send, and the relay
+/// exits 0 within its grace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_while_the_broker_blocks_stops_within_the_grace() {
+    let node = private_node().await;
+    let _turn = turns().lock().await;
+    let outbox = Outbox::create().await;
+    let broker = Broker::create_on(&node.url(), &["#"]).await;
+    let tenants = ["flow_stop"];
+    let mut env = blocked_relay_env(&outbox, &broker, &tenants);
+    // The confirms in flight would outlast the grace.
+    set_env(&mut env, "OUTBOX_CONFIRM_TIMEOUT_MS", "30000");
+    set_env(&mut env, "OUTBOX_SHUTDOWN_GRACE_MS", "2000");
+    let (mut relay, http) = spawn_relay(&env).await;
+    let mut committed = Committed::new();
+    write_rows(&outbox, &tenants, 5, &mut committed).await;
+    eventually("the first rows go out", Duration::from_secs(20), || async {
+        outbox.all_pending().await == 0
+    })
+    .await;
+
+    let alarm = node.alarm();
+    write_rows(&outbox, &tenants, 300, &mut committed).await;
+    eventually("the relay is blocked", Duration::from_secs(20), || async {
+        metric(&http_get(http, "/metrics").await.1, "outbox_amqp_blocked") == Some(1.0)
+    })
+    .await;
+    assert_eq!(http_get(http, "/readyz").await.0, 200);
+    relay.signal("TERM");
+    let asked = Instant::now();
+    assert_eq!(
+        relay.wait(Duration::from_secs(10)).await,
+        Some(0),
+        "{}",
+        relay.output()
+    );
+    let took = asked.elapsed();
+    eprintln!("stopped {took:?} after SIGTERM while blocked");
+    assert!(
+        took < Duration::from_millis(2_000 + 1_500),
+        "stopped {took:?} after SIGTERM, grace 2 s:\n{}",
+        relay.output()
+    );
+    assert_eq!(outbox.blamed("flow_stop").await, 0);
+    assert!(outbox.pending("flow_stop").await > 0);
+    drop(alarm);
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
