@@ -260,7 +260,7 @@ mod tests {
         columns.retain(|(name, _)| *name != "headers");
         assert_eq!(checked(&columns, false), Ok(()));
         let drift = checked(&columns, true).unwrap_err();
-        assert_eq!((drift.column, drift.found), ("headers", None));
+        assert_eq!((drift.column, drift.found.as_deref()), ("headers", None));
         assert!(drift.to_string().contains("has no column \"headers\""));
         // Columns the relay does not read are no concern of the check.
         columns.push(("payload_bytes", Type::INT4));
