@@ -44,10 +44,10 @@ use tokio_postgres::types::{Kind, ToSql, Type};
 use tokio_postgres::{Client, Connection, Socket};
 
 use crate::config::{Config, DatabaseTarget, Tenants};
-pub use columns::Drift;
-use columns::{Body, OccurredAt};
 use crate::domain::{BatchReport, FailureReason, Lease, OutboxRow, Payload};
 use crate::migrate::{quote_literal, wakeup_channel};
+pub use columns::Drift;
+use columns::{Body, OccurredAt};
 
 /// Deadline of each round trip of a sweep, and of the poll and lag queries.
 pub const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -942,26 +942,21 @@ impl Store {
     pub async fn check_columns(&self) -> Result<bool, StoreError> {
         let table = &self.statements().table;
         let found = self
-            .query_all(
-                "the column check",
-                COLUMNS,
-                &[(table, Type::TEXT)],
-                |row| {
-                    let name: Option<String> = row.try_get(0)?;
-                    let ty = match name {
-                        Some(_) => {
-                            let oid: u32 = row.try_get(1)?;
-                            Some(match Type::from_oid(oid) {
-                                Some(ty) => ty,
-                                None => Type::new(row.try_get(2)?, oid, Kind::Simple, row.try_get(3)?),
-                            })
-                        }
-                        None => None,
-                    };
-                    let parking: bool = row.try_get(4)?;
-                    Ok((name.zip(ty), parking))
-                },
-            )
+            .query_all("the column check", COLUMNS, &[(table, Type::TEXT)], |row| {
+                let name: Option<String> = row.try_get(0)?;
+                let ty = match name {
+                    Some(_) => {
+                        let oid: u32 = row.try_get(1)?;
+                        Some(match Type::from_oid(oid) {
+                            Some(ty) => ty,
+                            None => Type::new(row.try_get(2)?, oid, Kind::Simple, row.try_get(3)?),
+                        })
+                    }
+                    None => None,
+                };
+                let parking: bool = row.try_get(4)?;
+                Ok((name.zip(ty), parking))
+            })
             .await?;
         let Some((_, parking)) = found.first() else {
             return Ok(false);

@@ -866,7 +866,12 @@ mod tests {
                     .all(|host| host.get_target_session_attrs() == TargetSessionAttrs::ReadWrite),
                 "{url}"
             );
-            assert!(target.to_string().contains("target_session_attrs=read-write"), "{url}");
+            assert!(
+                target
+                    .to_string()
+                    .contains("target_session_attrs=read-write"),
+                "{url}"
+            );
         }
         // Said otherwise, or one host: as given.
         for url in [

@@ -77,7 +77,10 @@ pub struct Drift {
 impl Drift {
     fn describe(&self) -> String {
         let Some(needed) = NEEDED.iter().find(|n| n.name == self.column) else {
-            return format!("column \"{}\" of {} cannot be read", self.column, self.table);
+            return format!(
+                "column \"{}\" of {} cannot be read",
+                self.column, self.table
+            );
         };
         let table = &self.table;
         let column = needed.name;
@@ -165,10 +168,7 @@ impl<'a> FromSql<'a> for Body {
     }
 
     fn accepts(ty: &Type) -> bool {
-        matches!(
-            *ty,
-            Type::TEXT | Type::VARCHAR | Type::JSON | Type::JSONB
-        )
+        matches!(*ty, Type::TEXT | Type::VARCHAR | Type::JSON | Type::JSONB)
     }
 }
 
@@ -179,7 +179,9 @@ pub struct OccurredAt(pub OffsetDateTime);
 impl<'a> FromSql<'a> for OccurredAt {
     fn from_sql(ty: &Type, raw: &'a [u8]) -> Result<OccurredAt, Box<dyn Error + Sync + Send>> {
         if *ty == Type::TIMESTAMP {
-            Ok(OccurredAt(PrimitiveDateTime::from_sql(ty, raw)?.assume_utc()))
+            Ok(OccurredAt(
+                PrimitiveDateTime::from_sql(ty, raw)?.assume_utc(),
+            ))
         } else {
             Ok(OccurredAt(OffsetDateTime::from_sql(ty, raw)?))
         }
@@ -235,10 +237,17 @@ mod tests {
     #[test]
     fn an_unfit_column_is_named_with_its_type_and_the_fix() {
         let drift = checked(&with("payload", Type::BYTEA), true).unwrap_err();
-        assert_eq!((drift.column, drift.found.as_deref()), ("payload", Some("bytea")));
+        assert_eq!(
+            (drift.column, drift.found.as_deref()),
+            ("payload", Some("bytea"))
+        );
         let text = drift.to_string();
         assert!(text.contains("column \"payload\" of \"public\".\"outbox_message\" is bytea"));
-        assert!(text.contains("ALTER TABLE \"public\".\"outbox_message\" ALTER COLUMN payload TYPE text"));
+        assert!(
+            text.contains(
+                "ALTER TABLE \"public\".\"outbox_message\" ALTER COLUMN payload TYPE text"
+            )
+        );
         for (column, ty) in [
             ("id", Type::INT4),
             ("occurred_at", Type::DATE),
@@ -272,7 +281,10 @@ mod tests {
         let body = |ty: Type, raw: &[u8]| Body::from_sql(&ty, raw).map(|b| b.0);
         assert_eq!(body(Type::TEXT, b"{\"a\":1}").unwrap(), &b"{\"a\":1}"[..]);
         assert_eq!(body(Type::JSON, b"{\"a\": 1}").unwrap(), &b"{\"a\": 1}"[..]);
-        assert_eq!(body(Type::JSONB, b"\x01{\"a\": 1}").unwrap(), &b"{\"a\": 1}"[..]);
+        assert_eq!(
+            body(Type::JSONB, b"\x01{\"a\": 1}").unwrap(),
+            &b"{\"a\": 1}"[..]
+        );
         assert!(body(Type::JSONB, b"\x02{}").is_err());
         assert!(body(Type::TEXT, b"\xff").is_err());
     }
