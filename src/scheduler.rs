@@ -688,9 +688,11 @@ impl Scheduler {
             match error.drift() {
                 Some(drift) => self.columns_unfit(drift.clone()),
                 // A statement the server refused may be a column gone or
-                // changed under the read: the next poll checks them.
-                None if !error.is_unreachable() => self.columns_checked = false,
-                None => {}
+                // changed under the read, and so may a read that did not
+                // answer (the driver looks up a type it does not know, such
+                // as an extension's, behind the read's own rows): the next
+                // poll checks them.
+                None => self.columns_checked = false,
             }
         }
         let delay = if outcome.is_outage() {
