@@ -166,6 +166,67 @@ async fn a_payload_altered_to_bytea_under_the_relay_stops_reading_with_one_error
     outbox.drop_schema().await;
 }
 
+/// A column altered to a type of the application's own (here an enum): the
+/// driver knows it only by a lookup of its own, which a large read can hold
+/// up; either way the relay names the column and its type, sends nothing,
+/// and goes on once the column is text again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_altered_to_a_type_of_the_applications_own_is_named_and_held() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let env = relay_env(&outbox, &broker, &["a"]);
+    let (mut process, _addr) = spawn_relay(&env).await;
+    insert(&outbox, "a", "'{}'").await;
+    eventually(
+        "the first row goes out",
+        Duration::from_secs(20),
+        || async { broker.count() == 1 },
+    )
+    .await;
+    let mood = format!("\"{}\".mood", outbox.schema);
+    outbox
+        .execute(&format!(
+            "CREATE TYPE {mood} AS ENUM ('calm', 'restless');
+             ALTER TABLE {{outbox}} ALTER COLUMN payload TYPE {mood} USING 'calm';
+             INSERT INTO {{outbox}} (tenant_id, kind, subject_id, payload)
+             SELECT 'a', 'thing.changed', 's-' || g, 'restless' FROM generate_series(1, 2000) g"
+        ))
+        .await;
+    // A read held up by the lookup ends at the store's 10 s deadline.
+    eventually(
+        "the unfit column is reported",
+        Duration::from_secs(40),
+        || {
+            let errors = lines_at(&process.output(), "ERROR").len();
+            async move { errors == 1 }
+        },
+    )
+    .await;
+    let output = process.output();
+    let said = lines_at(&output, "ERROR")[0];
+    assert!(
+        said.contains("column \\\"payload\\\"") && said.contains("is mood"),
+        "{said}"
+    );
+    assert_eq!(broker.count(), 1, "nothing sent");
+    assert_eq!(blamed(&outbox).await, 0, "nothing refused row by row");
+    outbox
+        .execute("ALTER TABLE {outbox} ALTER COLUMN payload TYPE text USING payload::text")
+        .await;
+    eventually(
+        "the rows go out once the column is text",
+        Duration::from_secs(60),
+        || async { outbox.pending("a").await == 0 },
+    )
+    .await;
+    assert_eq!(broker.received()[1].body, b"restless");
+    assert_eq!(lines_at(&process.output(), "ERROR").len(), 1);
+    process.signal("TERM");
+    assert_eq!(process.wait(Duration::from_secs(20)).await, Some(0));
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
 /// The `outbox-occurred-at` header and the `timestamp` property of `message`.
 fn occurred_at(message: &crate::support::Received) -> (String, u64) {
     let header = match message.header("outbox-occurred-at") {
