@@ -502,7 +502,7 @@ struct Scheduler {
     /// What the last poll said of the database, once there was one.
     database_up: Option<bool>,
     /// The table's columns were found fit (checked until they are, and
-    /// again after a read the server refused).
+    /// again after any sweep that failed in the store).
     columns_checked: bool,
     /// A column a read or a check found unfit: no sweep starts until a
     /// check finds the columns fit again (logged once per change).

@@ -377,6 +377,13 @@ async fn healthz_answers_within_2_s_whatever_the_database_does() {
         }
         if fault == "locked" {
             locker.batch_execute("COMMIT").await.expect("unlock");
+            // The lag query that waited on the lock answers first.
+            eventually(
+                "/healthz 200 once unlocked",
+                Duration::from_secs(20),
+                || async { relay.get("/healthz").await.0 == 200 },
+            )
+            .await;
         }
     }
     path.set(Mode::Pass);
