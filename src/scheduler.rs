@@ -507,6 +507,11 @@ struct Scheduler {
     /// A column a read or a check found unfit: no sweep starts until a
     /// check finds the columns fit again (logged once per change).
     drift: Option<Drift>,
+    /// A sweep's statement named something the table lacks (SQLSTATE class
+    /// 42: a column dropped or retyped under the relay): no sweep starts
+    /// until the next poll has checked the columns, so that one failed sweep,
+    /// not every queued tenant's, comes before the ERROR naming the column.
+    held_for_check: bool,
     /// The error of the poll that last failed with the server answering,
     /// logged once until the poll succeeds or fails otherwise.
     poll_error: Option<String>,
@@ -556,6 +561,7 @@ impl Scheduler {
             database_up: None,
             columns_checked: false,
             drift: None,
+            held_for_check: false,
             poll_error: None,
             unconfigured: HashSet::new(),
             members: Vec::new(),
@@ -628,6 +634,7 @@ impl Scheduler {
         if self.relay.publisher.is_ready()
             && self.database_up != Some(false)
             && self.drift.is_none()
+            && !self.held_for_check
         {
             while self.sweeps.len() < self.relay.config.concurrency {
                 let Some(tenant) = self.schedule.next_ready() else {
@@ -692,7 +699,11 @@ impl Scheduler {
                 // answer (the driver looks up a type it does not know, such
                 // as an extension's, behind the read's own rows): the next
                 // poll checks them.
-                None => self.columns_checked = false,
+                None => {
+                    self.columns_checked = false;
+                    self.held_for_check |= !error.is_unreachable()
+                        && error.sqlstate().is_some_and(|code| code.starts_with("42"));
+                }
             }
         }
         let delay = if outcome.is_outage() {
@@ -746,6 +757,9 @@ impl Scheduler {
         self.reachable();
         if self.poll_error.take().is_some() {
             tracing::info!("the poll succeeds again");
+        }
+        if !matches!(columns, ColumnCheck::NotRun) {
+            self.held_for_check = false;
         }
         match columns {
             ColumnCheck::Fit => self.columns_fit(),

@@ -227,6 +227,62 @@ async fn a_payload_altered_to_a_type_of_the_applications_own_is_named_and_held()
     outbox.drop_schema().await;
 }
 
+/// A column dropped under the relay makes the read fail (SQLSTATE 42703):
+/// the sweeps already under way fail, no other starts until the next poll
+/// has checked the columns, which names the missing one once; reading
+/// resumes once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_column_dropped_under_the_relay_is_named_once_and_reading_resumes_when_it_is_back() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let tenants: Vec<String> = (0..20).map(|i| format!("t{i}")).collect();
+    let names: Vec<&str> = tenants.iter().map(String::as_str).collect();
+    let env = relay_env(&outbox, &broker, &names);
+    let (mut process, _addr) = spawn_relay(&env).await;
+    outbox
+        .execute(
+            "ALTER TABLE {outbox} DROP COLUMN headers;
+             INSERT INTO {outbox} (tenant_id, kind, subject_id, payload)
+             SELECT 't' || g, 'thing.changed', 's', '{}' FROM generate_series(0, 19) g",
+        )
+        .await;
+    eventually(
+        "the missing column is reported",
+        Duration::from_secs(20),
+        || {
+            let errors = lines_at(&process.output(), "ERROR").len();
+            async move { errors == 1 }
+        },
+    )
+    .await;
+    let output = process.output();
+    assert!(
+        lines_at(&output, "ERROR")[0].contains("has no column \\\"headers\\\""),
+        "{output}"
+    );
+    let failed = output.matches("sweep failed").count();
+    assert!(
+        failed <= 4,
+        "only the sweeps under way (concurrency 4) failed, not every tenant's: {failed}\n{output}"
+    );
+    assert_eq!(broker.count(), 0);
+    assert_eq!(blamed(&outbox).await, 0);
+    outbox
+        .execute("ALTER TABLE {outbox} ADD COLUMN headers jsonb")
+        .await;
+    eventually(
+        "every row goes out once the column is back",
+        Duration::from_secs(40),
+        || async { broker.count() == 20 },
+    )
+    .await;
+    assert_eq!(lines_at(&process.output(), "ERROR").len(), 1);
+    process.signal("TERM");
+    assert_eq!(process.wait(Duration::from_secs(20)).await, Some(0));
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
 /// The `outbox-occurred-at` header and the `timestamp` property of `message`.
 fn occurred_at(message: &crate::support::Received) -> (String, u64) {
     let header = match message.header("outbox-occurred-at") {
