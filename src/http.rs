@@ -45,8 +45,7 @@ pub struct Limits {
     /// closed. Bounds idle keep-alive connections too.
     pub header_read: Duration,
     /// From a request's headers to its response; past it the answer is 503.
-    /// Longer than the store's own deadlines (pool wait 5 s, query 10 s), so
-    /// that `/healthz` reports the database's failure itself.
+    /// `/healthz` answers within its own [`HEALTHZ_DEADLINE`].
     pub request: Duration,
     /// Open connections at most; one past it is accepted and closed at once.
     pub connections: usize,
@@ -244,6 +243,13 @@ struct TenantHealth {
     pending: bool,
 }
 
+/// `/healthz` answers within this, whatever the database does (a stalled
+/// path, a lock, a dead host): past it, 503 saying the lag could not be read
+/// in time. Its lag query goes on in its own task within the store's
+/// deadlines, and a caller meanwhile joins it (see [`LagRounds`]). Below
+/// the 2 s a probe's `timeoutSeconds` may allow.
+pub const HEALTHZ_DEADLINE: Duration = Duration::from_millis(1500);
+
 /// Up to this many tenants, `/healthz` lists each one; past it, only those
 /// past `max_lag_ms`, the longest lag first, at most this many (the status
 /// and the code still answer for every tenant).
@@ -267,20 +273,25 @@ fn listed(mut lags: Vec<TenantHealth>, max_lag_ms: u64) -> Vec<TenantHealth> {
 async fn healthz(State(endpoints): State<Endpoints>) -> Response {
     let relay = &endpoints.relay;
     let max_lag_ms = relay.config.max_lag_ms;
-    let lags = endpoints
-        .lag
-        .join(|| {
-            let relay = relay.clone();
-            async move {
-                relay
-                    .store
-                    .relayed_lag(&relay.config.tenants)
-                    .await
-                    .map(Arc::new)
-                    .map_err(|error| Arc::from(error.to_string()))
-            }
-        })
-        .await;
+    let round = endpoints.lag.join(|| {
+        let relay = relay.clone();
+        async move {
+            relay
+                .store
+                .relayed_lag(&relay.config.tenants)
+                .await
+                .map(Arc::new)
+                .map_err(|error| Arc::from(error.to_string()))
+        }
+    });
+    let lags = tokio::time::timeout(HEALTHZ_DEADLINE, round)
+        .await
+        .unwrap_or_else(|_| {
+            Err(Arc::from(format!(
+                "the database did not answer the lag query within {} ms",
+                HEALTHZ_DEADLINE.as_millis()
+            )))
+        });
     match lags {
         Ok(lags) => {
             let now = tokio::time::Instant::now();

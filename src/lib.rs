@@ -117,7 +117,7 @@ async fn require_parking(relay: &Relay) -> Result<(), RunError> {
     if park_after_attempts == 0 || relay.config.migrate {
         return Ok(());
     }
-    match relay.store.check_payload_type().await {
+    match relay.store.check_columns().await {
         Ok(true) if !relay.store.has_parking_columns() => {
             Err(RunError::NoParking(park_after_attempts))
         }

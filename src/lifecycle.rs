@@ -131,7 +131,7 @@ pub async fn replay(
     to: i64,
 ) -> Result<Replayed, ReplayError> {
     // Which statements fit the table (with or without `discarded_at`).
-    store.check_payload_type().await?;
+    store.check_columns().await?;
     let (connection, channel) = open_channel(&config.amqp_url, "outbox-relay replay").await?;
     channel
         .confirm_select(ConfirmSelectOptions::default())

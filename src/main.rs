@@ -214,8 +214,10 @@ fn warn_unknown_env(loaded: &Loaded) {
     }
 }
 
-/// `migrate`: applies the migrations, then checks the `payload` column (an
-/// existing table keeps its own, which may be one the relay cannot send).
+/// `migrate`: applies the migrations (with `finish`, the second step of the
+/// writers' lock too), then checks the table's columns (an existing table
+/// keeps its own, which may be ones the relay cannot read): an unfit one
+/// exits 2, as a configuration the relay cannot use.
 async fn migrate_once(config: Config, finish: bool) -> anyhow::Result<()> {
     use anyhow::Context;
     let store = store::Store::new(&config)?;
@@ -226,21 +228,21 @@ async fn migrate_once(config: Config, finish: bool) -> anyhow::Result<()> {
     }
     .context("cannot apply the migrations")?;
     store
-        .check_payload_type()
+        .check_columns()
         .await
         .context("the migrations are applied, but the table cannot be relayed")?;
     Ok(())
 }
 
 /// `status`: exit 0 when every tenant is within max_lag_ms, 1 when one is
-/// not (or the database cannot be asked, or the table's `payload` column is
-/// one the relay cannot send: said on stderr after the report).
+/// not (or the database cannot be asked); 2 when a column of the table is one
+/// the relay cannot read (said on stderr after the report).
 async fn status(config: Config, json: bool, wide: bool) -> ExitCode {
     let result = async {
         let store = store::Store::new(&config)?;
-        let unfit = match store.check_payload_type().await {
+        let unfit = match store.check_columns().await {
             Ok(_) => None,
-            Err(error @ store::StoreError::PayloadColumn { .. }) => Some(error),
+            Err(error @ store::StoreError::Columns(_)) => Some(error),
             Err(error) => return Err(error.into()),
         };
         // Discovered tenants: those with pending or parked rows.
@@ -268,7 +270,9 @@ async fn status(config: Config, json: bool, wide: bool) -> ExitCode {
             if let Some(error) = &unfit {
                 eprintln!("outbox-relay: {error}");
             }
-            if report.lagging || unfit.is_some() {
+            if unfit.is_some() {
+                ExitCode::from(EXIT_CONFIG)
+            } else if report.lagging {
                 ExitCode::from(EXIT_FATAL)
             } else {
                 ExitCode::SUCCESS
@@ -377,13 +381,19 @@ async fn replay(
 }
 
 /// A failure is said once, on stderr, as a configuration error is: not also
-/// as a log line (on a terminal the two showed the same text twice).
+/// as a log line (on a terminal the two showed the same text twice). A
+/// table whose columns the relay cannot read exits 2, as bad configuration.
 fn report_exit(result: anyhow::Result<()>) -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("outbox-relay: {}", causes(&error));
-            ExitCode::from(EXIT_FATAL)
+            let unfit = error.chain().any(|cause| {
+                cause
+                    .downcast_ref::<store::StoreError>()
+                    .is_some_and(|e| e.drift().is_some())
+            });
+            ExitCode::from(if unfit { EXIT_CONFIG } else { EXIT_FATAL })
         }
     }
 }

@@ -69,15 +69,18 @@ impl SweepOutcome {
         }
     }
 
-    /// Whether the sweep failed because the database could not be reached or
-    /// the broker connection was lost, absent or timed out: an outage, which
-    /// is no tenant's doing and must not grow its back-off. A refusal of the
+    /// Whether the sweep failed because the database could not be reached,
+    /// the broker connection was lost, absent or timed out, or a column of
+    /// the table is unfit: an outage, which is no tenant's doing and must not
+    /// grow its back-off. A refusal of the
     /// tenant's own row (nack, unroutable, too large, invalid), a statement
     /// the server refused, a row that did not decode, or the relay's own
     /// trouble is the tenant's failure.
     pub fn is_outage(&self) -> bool {
         match self {
-            SweepOutcome::Failed(SweepFailure::Store(error)) => error.is_unreachable(),
+            SweepOutcome::Failed(SweepFailure::Store(error)) => {
+                error.is_unreachable() || error.drift().is_some()
+            }
             SweepOutcome::Failed(SweepFailure::Refused { refusal, .. }) => matches!(
                 refusal.reason,
                 FailureReason::Connection | FailureReason::Timeout
@@ -549,11 +552,12 @@ mod tests {
         }
         let deadline = StoreError::Timeout("the claim", Duration::from_secs(10));
         assert!(SweepOutcome::Failed(deadline.into()).is_outage());
-        let unfit = StoreError::PayloadColumn {
+        let unfit = StoreError::Columns(crate::store::Drift {
             table: "\"public\".\"outbox_message\"".into(),
+            column: "payload",
             found: Some("bytea".into()),
-        };
-        assert!(!SweepOutcome::Failed(unfit.into()).is_outage());
+        });
+        assert!(SweepOutcome::Failed(unfit.into()).is_outage());
         assert!(!SweepOutcome::Failed(SweepFailure::Aborted("panic".into())).is_outage());
         assert!(!SweepOutcome::Idle { rows: 0 }.is_outage());
     }

@@ -36,7 +36,7 @@ use crate::config::Wakeup;
 use crate::domain::Outcome;
 use crate::relay::{Relay, SweepFailure, SweepOutcome};
 use crate::shutdown::Shutdown;
-use crate::store::{self, Page, PendingTenant, StoreError, Writers};
+use crate::store::{self, Drift, Page, PendingTenant, StoreError, Writers};
 
 /// Where a tenant is in the schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -466,8 +466,7 @@ pub const BUSY_POLL_MAX: Duration = Duration::from_secs(5);
 const UNCONFIGURED_WARNINGS: usize = 100;
 
 /// The poll in flight: tenants with pending rows, their lowest pending ids
-/// and lag; and whether the payload column was found fit by a check that
-/// went with it.
+/// and lag; and what a check of the table's columns that went with it found.
 type Poll = Pin<Box<dyn Future<Output = Result<Polled, StoreError>> + Send>>;
 
 /// What a successful poll found.
@@ -475,7 +474,17 @@ struct Polled {
     found: store::Polled,
     /// The page it read.
     page: Page,
-    payload_checked: bool,
+    columns: ColumnCheck,
+}
+
+/// What the check of the table's columns that went with a poll found.
+enum ColumnCheck {
+    /// Not run: the columns were found fit before, and no read failed since.
+    NotRun,
+    /// The table does not exist (yet).
+    NoTable,
+    Fit,
+    Drift(Drift),
 }
 
 /// The most tenants one poll reads (about 50 ms of the database's time);
@@ -605,8 +614,17 @@ struct Scheduler {
     next_poll: Instant,
     /// What the last poll said of the database, once there was one.
     database_up: Option<bool>,
-    /// The payload column was found fit (checked until it is).
-    payload_checked: bool,
+    /// The table's columns were found fit (checked until they are, and
+    /// again after any sweep that failed in the store).
+    columns_checked: bool,
+    /// A column a read or a check found unfit: no sweep starts until a
+    /// check finds the columns fit again (logged once per change).
+    drift: Option<Drift>,
+    /// A sweep's statement named something the table lacks (SQLSTATE class
+    /// 42: a column dropped or retyped under the relay): no sweep starts
+    /// until the next poll has checked the columns, so that one failed sweep,
+    /// not every queued tenant's, comes before the ERROR naming the column.
+    held_for_check: bool,
     /// The error of the poll that last failed with the server answering,
     /// logged once until the poll succeeds or fails otherwise.
     poll_error: Option<String>,
@@ -660,7 +678,9 @@ impl Scheduler {
             poll: None,
             next_poll: Instant::now(),
             database_up: None,
-            payload_checked: false,
+            columns_checked: false,
+            drift: None,
+            held_for_check: false,
             poll_error: None,
             unconfigured: HashSet::new(),
             members: Vec::new(),
@@ -766,9 +786,12 @@ impl Scheduler {
             self.last_poll = Some(now);
             self.poll_mark = self.schedule.mark();
             let relay = self.relay.clone();
-            // Checked until fit, and while the table lacks the columns of
-            // parking (they appear when `migrate` runs).
-            let check = !self.payload_checked || !self.relay.store.has_parking_columns();
+            // Checked until fit, while a column is unfit (to see it fixed),
+            // and while the table lacks the columns of parking (they appear
+            // when `migrate` runs).
+            let check = !self.columns_checked
+                || self.drift.is_some()
+                || !self.relay.store.has_parking_columns();
             let page = Page {
                 after: self.poll_after.clone(),
                 limit: POLL_PAGE,
@@ -777,13 +800,21 @@ impl Scheduler {
                 if check {
                     relay.store.check_sequence().await?;
                 }
-                let payload_checked = !check || relay.store.check_payload_type().await?;
+                let columns = match check.then(|| relay.store.check_columns()) {
+                    None => ColumnCheck::NotRun,
+                    Some(checked) => match checked.await {
+                        Ok(true) => ColumnCheck::Fit,
+                        Ok(false) => ColumnCheck::NoTable,
+                        Err(StoreError::Columns(drift)) => ColumnCheck::Drift(drift),
+                        Err(error) => return Err(error),
+                    },
+                };
                 let listeners = relay.wakeups.members_pattern();
                 let found = relay.store.pending_tenants(&listeners, &page).await?;
                 Ok(Polled {
                     found,
                     page,
-                    payload_checked,
+                    columns,
                 })
             }));
             self.next_poll = now + poll_interval;
@@ -806,7 +837,11 @@ impl Scheduler {
                 .metrics
                 .set_backoff(self.schedule.name(woken), Duration::ZERO);
         }
-        if self.relay.publisher.can_publish() && self.database_up != Some(false) {
+        if self.relay.publisher.can_publish()
+            && self.database_up != Some(false)
+            && self.drift.is_none()
+            && !self.held_for_check
+        {
             while self.sweeps.len() < self.relay.config.concurrency {
                 let Some(tenant) = self.schedule.next_ready() else {
                     break;
@@ -882,6 +917,21 @@ impl Scheduler {
         {
             self.active(Instant::now());
         }
+        if let SweepOutcome::Failed(SweepFailure::Store(error)) = &outcome {
+            match error.drift() {
+                Some(drift) => self.columns_unfit(drift.clone()),
+                // A statement the server refused may be a column gone or
+                // changed under the read, and so may a read that did not
+                // answer (the driver looks up a type it does not know, such
+                // as an extension's, behind the read's own rows): the next
+                // poll checks them.
+                None => {
+                    self.columns_checked = false;
+                    self.held_for_check |= !error.is_unreachable()
+                        && error.sqlstate().is_some_and(|code| code.starts_with("42"));
+                }
+            }
+        }
         match outcome {
             SweepOutcome::Deferred { .. } => {
                 self.schedule.defer(tenant);
@@ -923,7 +973,7 @@ impl Scheduler {
                     parked,
                 },
             page,
-            payload_checked,
+            columns,
         } = match result {
             Ok(polled) => polled,
             Err(error) if error.is_unreachable() => {
@@ -951,7 +1001,14 @@ impl Scheduler {
         if self.poll_error.take().is_some() {
             tracing::info!("the poll succeeds again");
         }
-        self.payload_checked |= payload_checked;
+        if !matches!(columns, ColumnCheck::NotRun) {
+            self.held_for_check = false;
+        }
+        match columns {
+            ColumnCheck::Fit => self.columns_fit(),
+            ColumnCheck::Drift(drift) => self.columns_unfit(drift),
+            ColumnCheck::NotRun | ColumnCheck::NoTable => {}
+        }
         self.members = listeners
             .iter()
             .filter_map(|name| self.relay.wakeups.member_of(name))
@@ -1133,6 +1190,28 @@ impl Scheduler {
             });
     }
 
+    /// A read or a check found a column the relay cannot read: sweeps stop
+    /// until a check finds the columns fit; said once per change.
+    fn columns_unfit(&mut self, drift: Drift) {
+        self.columns_checked = false;
+        if self.drift.as_ref() != Some(&drift) {
+            tracing::error!(
+                column = drift.column,
+                found = drift.found.as_deref().unwrap_or("(none)"),
+                "{drift}"
+            );
+            self.drift = Some(drift);
+        }
+    }
+
+    /// A check found the table's columns fit: sweeps go on.
+    fn columns_fit(&mut self) {
+        self.columns_checked = true;
+        if self.drift.take().is_some() {
+            tracing::info!("the outbox table's columns fit again; reading resumes");
+        }
+    }
+
     /// The database answered the poll, with rows or with an error.
     fn reachable(&mut self) {
         if self.database_up != Some(true) {
@@ -1215,6 +1294,10 @@ fn report(tenant: &str, outcome: &SweepOutcome) {
         ),
         SweepOutcome::Failed(SweepFailure::Aborted(error)) => {
             tracing::error!(tenant, reason = "aborted", %error, "sweep failed")
+        }
+        SweepOutcome::Failed(SweepFailure::Store(error)) if error.drift().is_some() => {
+            // Said once by the scheduler, not once per tenant.
+            tracing::debug!(tenant, reason = "columns", %error, "sweep stopped: a column is unfit")
         }
         SweepOutcome::Failed(SweepFailure::Store(error)) if error.is_unreachable() => {
             tracing::warn!(

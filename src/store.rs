@@ -1,6 +1,6 @@
 //! PostgreSQL: the pool, the claim of a tenant, the read of its batch, the
 //! marking of what the broker confirmed, the lag queries, and the check of the
-//! table's `payload` column. Every statement
+//! table's columns (see [`columns`]). Every statement
 //! the relay runs is in `src/store/*.sql`; `{table}` stands for the configured
 //! `"schema"."table"`.
 //!
@@ -33,7 +33,6 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use bytes::Bytes;
 use deadpool_postgres::{
     BuildError, Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime, Timeouts,
 };
@@ -41,12 +40,14 @@ use futures_util::TryStreamExt;
 use futures_util::future::{BoxFuture, MaybeDone, maybe_done};
 use time::OffsetDateTime;
 use tokio_postgres::tls::MakeTlsConnect;
-use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::types::{Kind, ToSql, Type};
 use tokio_postgres::{Client, Connection, Socket};
 
 use crate::config::{Config, DatabaseTarget, Tenants};
 use crate::domain::{BatchReport, FailureReason, Lease, OutboxRow, Payload};
 use crate::migrate::{quote_literal, wakeup_channel};
+pub use columns::Drift;
+use columns::{Body, OccurredAt};
 
 /// Deadline of each round trip of a sweep, and of the poll and lag queries.
 pub const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -69,7 +70,7 @@ const UNMARK_PUBLISHED: &str = include_str!("store/unmark_published.sql");
 const PENDING_TENANTS: &str = include_str!("store/pending_tenants.sql");
 const TENANT_LAG: &str = include_str!("store/tenant_lag.sql");
 const TENANT_STATUS: &str = include_str!("store/tenant_status.sql");
-const PAYLOAD_TYPE: &str = include_str!("store/payload_type.sql");
+const COLUMNS: &str = include_str!("store/columns.sql");
 const REQUEUE: &str = include_str!("store/requeue.sql");
 const REQUEUE_TENANT: &str = include_str!("store/requeue_tenant.sql");
 const DISCARD: &str = include_str!("store/discard.sql");
@@ -79,9 +80,7 @@ const WRITERS: &str = include_str!("store/writers.sql");
 /// Where the id sequence stands (see [`Store::position`]); $1 = its oid.
 const POSITION: &str = "SELECT COALESCE(pg_sequence_last_value($1::bigint::oid::regclass), 0)";
 
-/// The base types of `payload` that `payload::text` turns into the
-/// application's own encoding (as `format_type` names them).
-const PAYLOAD_TYPES: [&str; 4] = ["text", "character varying", "json", "jsonb"];
+mod columns;
 
 /// A failure to talk to PostgreSQL. Its text carries the server's own message
 /// and SQLSTATE where there is one, never a password or a payload.
@@ -103,15 +102,12 @@ pub enum StoreError {
          waiting for a writable host (target_session_attrs=read-write)"
     )]
     ReadOnly,
-    /// The table's `payload` column is missing, or of a type the relay would
-    /// not send as the application wrote it (e.g. `bytea` reads as hex).
-    #[error("{}", describe_payload_column(table, found.as_deref()))]
-    PayloadColumn {
-        /// `"schema"."table"`.
-        table: String,
-        /// The column's declared type; `None` when there is no such column.
-        found: Option<String>,
-    },
+    /// A column the relay reads is missing, or of a type it cannot read as
+    /// the application wrote it (e.g. a `bytea` payload): found on a read's
+    /// row description, or by [`Store::check_columns`]. Nothing of the
+    /// table is read until it is fixed.
+    #[error(transparent)]
+    Columns(#[from] Drift),
     /// The id sequence cannot give a safe bound for commit order (see
     /// [`Store::check_sequence`]).
     #[error("{0}")]
@@ -149,7 +145,15 @@ impl StoreError {
             | StoreError::Build(_)
             | StoreError::ReadOnly => true,
             StoreError::Query(error) => connection_lost(error),
-            StoreError::PayloadColumn { .. } | StoreError::Sequence(_) => false,
+            StoreError::Columns(_) | StoreError::Sequence(_) => false,
+        }
+    }
+
+    /// The unfit column, when that is what failed.
+    pub fn drift(&self) -> Option<&Drift> {
+        match self {
+            StoreError::Columns(drift) => Some(drift),
+            _ => None,
         }
     }
 
@@ -173,17 +177,6 @@ fn connection_lost(error: &tokio_postgres::Error) -> bool {
     }
     error.is_closed()
         || std::error::Error::source(error).is_some_and(|cause| cause.is::<std::io::Error>())
-}
-
-fn describe_payload_column(table: &str, found: Option<&str>) -> String {
-    match found {
-        None => format!("{table} has no column \"payload\"; nothing is relayed until it has one"),
-        Some(found) => format!(
-            "column \"payload\" of {table} is {found}; the relay reads payload::text and sends it \
-             as it is, so the column must be text, varchar, json or jsonb (a {found} would not go \
-             out as the application wrote it); nothing is relayed until it is"
-        ),
-    }
 }
 
 /// The server's message and SQLSTATE when there is one, else the driver's
@@ -300,7 +293,7 @@ struct Statements {
     requeue_tenant: String,
     discard: String,
     replay_batch: String,
-    /// `"schema"."table"`, for the payload column check.
+    /// `"schema"."table"`, for the column checks.
     table: String,
 }
 
@@ -369,7 +362,7 @@ pub struct Store {
     /// With the columns of parking, and without them.
     statements: Arc<[Statements; 2]>,
     /// Whether the table has `parked_at` and `discarded_at`, as last checked
-    /// (see [`Store::check_payload_type`]); assumed until a check says not.
+    /// (see [`Store::check_columns`]); assumed until a check says not.
     parking_columns: Arc<AtomicBool>,
     /// `park_after_attempts`, for the refusals that park (0: never).
     park_after_attempts: i32,
@@ -405,9 +398,10 @@ pub struct Writers {
 /// default), so a longer one is refused without being read.
 const FIELD_LIMIT: i64 = 1 << 20;
 
-/// Reads one row of `read_batch.sql`. A value that cannot be read, or was
-/// left in the database for its size, makes that row defective (refused as
-/// `invalid` or `too_large`), never the batch.
+/// Reads one row of `read_batch.sql` (whose columns [`columns::check_row`]
+/// found fit). A value that cannot be read, or was left in the database for
+/// its size, makes that row defective (refused as `invalid` or
+/// `too_large`), never the batch.
 fn decode(
     row: &tokio_postgres::Row,
     max_payload_bytes: i64,
@@ -433,8 +427,8 @@ fn decode(
     let kind = text("kind", "kind", 255);
     let subject_id = text("subject_id", "subject_id", FIELD_LIMIT);
     let payload_bytes: Option<i32> = row.try_get("payload_bytes")?;
-    let payload = match (row.try_get::<_, Option<String>>("payload"), payload_bytes) {
-        (Ok(Some(body)), _) => Payload::Body(Bytes::from(body)),
+    let payload = match (row.try_get::<_, Option<Body>>("payload"), payload_bytes) {
+        (Ok(Some(body)), _) => Payload::Body(body.0),
         (Ok(None), None) => Payload::Tombstone,
         (Ok(None), Some(bytes)) if i64::from(bytes) > max_payload_bytes => Payload::TooLarge {
             bytes: u64::try_from(bytes).unwrap_or_default(),
@@ -462,8 +456,8 @@ fn decode(
             None
         }
     };
-    let occurred_at = match row.try_get::<_, Option<OffsetDateTime>>("occurred_at") {
-        Ok(Some(at)) => at,
+    let occurred_at = match row.try_get::<_, Option<OccurredAt>>("occurred_at") {
+        Ok(Some(at)) => at.0,
         Ok(None) => {
             defects.push(
                 "occurred_at is infinite or outside the years 1-9999, which no message can carry"
@@ -662,7 +656,7 @@ impl Store {
     }
 
     /// Whether the table has `parked_at` and `discarded_at`, as the last
-    /// [`Store::check_payload_type`] found (assumed until one did).
+    /// [`Store::check_columns`] found (assumed until one did).
     pub fn has_parking_columns(&self) -> bool {
         self.parking_columns.load(Ordering::Relaxed)
     }
@@ -942,7 +936,14 @@ impl Store {
             .await?;
         let mut rows = std::pin::pin!(rows);
         let mut batch = Batch::default();
+        let mut checked = false;
         while let Some(row) = rows.try_next().await? {
+            // Every row of a read has the same description: the first one
+            // tells whether the table's columns still fit.
+            if !checked {
+                columns::check_row(&self.statements().table, &row)?;
+                checked = true;
+            }
             // Past the budget: not part of the batch, only a sign that
             // more rows are pending behind it.
             if !batch.rows.is_empty() && !row.try_get::<_, bool>("within")? {
@@ -1113,38 +1114,42 @@ impl Store {
         Ok(polled)
     }
 
-    /// Checks that the `payload` column is of a type the relay sends as the
-    /// application wrote it: `text`, `varchar`, `json` or `jsonb` (or a
-    /// domain over one). `Ok(false)`: the table does not exist (yet), nothing
-    /// was checked; an unfit column is [`StoreError::PayloadColumn`]. Notes
-    /// whether the table has the columns of parking, which decides the
+    /// Holds the table's columns, as the catalog has them, against what the
+    /// relay reads, by the same check as every read's row description (see
+    /// [`columns`]). `Ok(false)`: the table does not exist (yet), nothing
+    /// was checked; an unfit or missing column is [`StoreError::Columns`].
+    /// Notes whether the table has the columns of parking, which decides the
     /// statements the store runs from now on (see [`variant`]).
-    pub async fn check_payload_type(&self) -> Result<bool, StoreError> {
+    pub async fn check_columns(&self) -> Result<bool, StoreError> {
         let table = &self.statements().table;
         let found = self
-            .query_all(
-                "the payload column check",
-                PAYLOAD_TYPE,
-                &[(table, Type::TEXT)],
-                |row| {
-                    let declared: Option<String> = row.try_get(0)?;
-                    let base: Option<String> = row.try_get(1)?;
-                    let parking: bool = row.try_get(2)?;
-                    Ok((declared.zip(base), parking))
-                },
-            )
+            .query_all("the column check", COLUMNS, &[(table, Type::TEXT)], |row| {
+                let name: Option<String> = row.try_get(0)?;
+                let ty = match name {
+                    Some(_) => {
+                        let oid: u32 = row.try_get(1)?;
+                        Some(match Type::from_oid(oid) {
+                            Some(ty) => ty,
+                            None => Type::new(row.try_get(2)?, oid, Kind::Simple, row.try_get(3)?),
+                        })
+                    }
+                    None => None,
+                };
+                let parking: bool = row.try_get(4)?;
+                Ok((name.zip(ty), parking))
+            })
             .await?;
-        let Some((column, parking)) = found.into_iter().next() else {
+        let Some((_, parking)) = found.first() else {
             return Ok(false);
         };
-        self.parking_columns.store(parking, Ordering::Relaxed);
-        match column {
-            Some((_, base)) if PAYLOAD_TYPES.contains(&base.as_str()) => Ok(true),
-            column => Err(StoreError::PayloadColumn {
-                table: table.clone(),
-                found: column.map(|(declared, _)| declared),
-            }),
-        }
+        self.parking_columns.store(*parking, Ordering::Relaxed);
+        let found: Vec<(String, Type)> = found.into_iter().filter_map(|(c, _)| c).collect();
+        columns::check(
+            table,
+            found.iter().map(|(name, ty)| (name.as_str(), ty)),
+            true,
+        )?;
+        Ok(true)
     }
 
     /// `outbox-relay requeue --id`: the parked row `id` (not discarded)
@@ -1177,7 +1182,12 @@ impl Store {
     /// The statements, once a check found the table with the columns of
     /// parking.
     async fn lifecycle_statements(&self) -> Result<&Statements, LifecycleError> {
-        self.check_payload_type().await?;
+        // Only the columns of parking matter here: these statements read no
+        // payload.
+        match self.check_columns().await {
+            Ok(_) | Err(StoreError::Columns(_)) => {}
+            Err(error) => return Err(error.into()),
+        }
         if !self.has_parking_columns() {
             return Err(LifecycleError::NoParking(self.statements().table.clone()));
         }
@@ -1206,13 +1216,19 @@ impl Store {
             (&after, Type::INT8),
             (&to, Type::INT8),
         ];
-        self.query_all(
-            "the replay read",
-            &self.statements().replay_batch,
-            &params,
-            |row| decode(row, max_payload_bytes),
-        )
-        .await
+        let table = &self.statements().table;
+        let rows = self
+            .query_all(
+                "the replay read",
+                &self.statements().replay_batch,
+                &params,
+                |row| match columns::check_row(table, row) {
+                    Ok(()) => decode(row, max_payload_bytes).map(Ok),
+                    Err(drift) => Ok(Err(drift)),
+                },
+            )
+            .await?;
+        Ok(rows.into_iter().collect::<Result<_, _>>()?)
     }
 
     /// One statement outside any sweep, on a pooled connection, within
@@ -1412,15 +1428,14 @@ impl Claim {
         let id = row.id;
         let client = self.client();
         let sql = &self.store.statements().read_payload;
-        let payload: Option<String> = deadline("reading a payload", async {
-            Ok(client
-                .query_typed_one(sql, &[(&id, Type::INT8)])
-                .await?
-                .try_get(0)?)
+        let table = &self.store.statements().table;
+        let payload: Option<Body> = deadline("reading a payload", async {
+            let row = client.query_typed_one(sql, &[(&id, Type::INT8)]).await?;
+            columns::check_row(table, &row)?;
+            Ok(row.try_get(0)?)
         })
         .await?;
-        self.rows[0].payload =
-            payload.map_or(Payload::Tombstone, |body| Payload::Body(Bytes::from(body)));
+        self.rows[0].payload = payload.map_or(Payload::Tombstone, |body| Payload::Body(body.0));
         Ok(())
     }
 

@@ -196,14 +196,21 @@ impl FromStr for DatabaseTarget {
             with_relay_defaults(&mut config, tls.is_some());
             Ok::<_, String>(config)
         };
-        let config = parse(&pairs)?;
+        let mut config = parse(&pairs)?;
         if config.get_hosts().is_empty() && config.get_hostaddrs().is_empty() {
             return Err("names no host".into());
         }
-        let hosts = super::dsn::per_host(&pairs, &config)
+        let mut hosts = super::dsn::per_host(&pairs, &config)
             .iter()
             .map(|pairs| parse(pairs))
             .collect::<Result<Vec<_>, _>>()?;
+        // Several hosts are a primary and its standbys: the relay writes, so
+        // unless told otherwise it connects only to one that takes writes.
+        if hosts.len() > 1 && !pairs.iter().any(|(key, _)| key == "target_session_attrs") {
+            for config in std::iter::once(&mut config).chain(&mut hosts) {
+                config.target_session_attrs(TargetSessionAttrs::ReadWrite);
+            }
+        }
         if config.get_ports().len() > 1 && config.get_ports().len() != hosts.len() {
             return Err("names more than one port, but not one for each host".into());
         }
@@ -845,6 +852,47 @@ mod tests {
     }
 
     #[test]
+    fn several_hosts_without_target_session_attrs_want_a_writable_one() {
+        for url in [
+            "postgres://app@h1:5432,h2:5433/db",
+            "host=h1,h2 port=5432,5433 user=app dbname=db",
+        ] {
+            let target: DatabaseTarget = url.parse().unwrap();
+            assert!(target.wants_writable(), "{url}");
+            assert!(
+                target
+                    .hosts()
+                    .iter()
+                    .all(|host| host.get_target_session_attrs() == TargetSessionAttrs::ReadWrite),
+                "{url}"
+            );
+            assert!(
+                target
+                    .to_string()
+                    .contains("target_session_attrs=read-write"),
+                "{url}"
+            );
+        }
+        // Said otherwise, or one host: as given.
+        for url in [
+            "postgres://app@h1:5432,h2:5433/db?target_session_attrs=any",
+            "host=h1,h2 user=app dbname=db target_session_attrs=any",
+            "postgres://app@h1:5432/db",
+            "host=h1 user=app dbname=db",
+        ] {
+            let target: DatabaseTarget = url.parse().unwrap();
+            assert!(!target.wants_writable(), "{url}");
+            assert!(
+                target
+                    .hosts()
+                    .iter()
+                    .all(|host| host.get_target_session_attrs() == TargetSessionAttrs::Any),
+                "{url}"
+            );
+        }
+    }
+
+    #[test]
     fn several_hosts_are_each_tried_alone_and_shown_without_the_password() {
         let url: DatabaseTarget =
             "postgres://app:pa55@h1:5432,[::1]:5433/db?target_session_attrs=read-write&connect_timeout=2"
@@ -882,7 +930,7 @@ mod tests {
         assert_eq!(by_address.hosts().len(), 2);
         assert_eq!(
             by_address.to_string(),
-            "host=10.0.0.1,10.0.0.2 port=6432 dbname=db"
+            "host=10.0.0.1,10.0.0.2 port=6432 dbname=db target_session_attrs=read-write"
         );
 
         for bad in [

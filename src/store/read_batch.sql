@@ -30,8 +30,11 @@
 -- (read_payload.sql). The running sum follows the index's order, so the plan
 -- sorts nothing, and it is summed in double precision (exact far beyond any
 -- budget), which costs the server less than `numeric`.
+-- The columns are selected uncast, so that the row description carries the
+-- table's own types, which the relay checks on every read (store/columns.rs):
+-- a cast such as `payload::text` would turn a `bytea` into hex text.
 WITH batch AS (
-    SELECT tenant_id, id, kind, subject_id, payload::text AS payload, headers::jsonb AS headers,
+    SELECT tenant_id, id, kind, subject_id, payload, headers,
            occurred_at,
            octet_length(kind) AS kind_bytes,
            octet_length(subject_id) AS subject_id_bytes,

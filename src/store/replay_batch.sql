@@ -6,8 +6,11 @@
 -- $2 = rows at most, $3 = max_payload_bytes, $4 = byte budget, $5 = the
 -- longest subject_id or headers read, $6 = the id the page starts after,
 -- $7 = the last id of the range.
+-- The columns are selected uncast, so that the row description carries the
+-- table's own types, which the relay checks on every read (store/columns.rs):
+-- a cast such as `payload::text` would turn a `bytea` into hex text.
 WITH page AS (
-    SELECT tenant_id, id, kind, subject_id, payload::text AS payload, headers::jsonb AS headers,
+    SELECT tenant_id, id, kind, subject_id, payload, headers,
            occurred_at,
            octet_length(kind) AS kind_bytes,
            octet_length(subject_id) AS subject_id_bytes,

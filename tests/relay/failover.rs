@@ -202,6 +202,58 @@ async fn a_dead_or_silent_host_first_in_the_list_is_passed_over_in_both_forms() 
     outbox.drop_schema().await;
 }
 
+/// Without `target_session_attrs`, several hosts mean "a writable one": a
+/// read-only server first in the list (a standby, or one with
+/// `default_transaction_read_only`) is passed over, in both forms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn several_hosts_without_target_session_attrs_pass_over_a_read_only_first_host() {
+    let _cluster = CLUSTER_IN_USE.lock().await;
+    let read_only = tokio::task::spawn_blocking(cluster).await.expect("cluster");
+    let admin = read_only.client().await;
+    read_only.set_writable(&admin, false).await;
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let port = read_only.port;
+    let url = format!("postgres://postgres@127.0.0.1:{port},127.0.0.1:5432/test?connect_timeout=2");
+    let key_value = format!(
+        "host=127.0.0.1,127.0.0.1 port={port},5432 dbname=test user=postgres connect_timeout=2"
+    );
+    let mut relays = Vec::new();
+    for (tenant, url) in [("url", &url), ("pairs", &key_value)] {
+        let mut config = config(&outbox, &broker, &[tenant]);
+        config.database_url = url.parse().expect("several hosts parse");
+        config.listen_database_url = config.database_url.clone();
+        relays.push(start_relay(config).await);
+    }
+    let mut expected = BTreeMap::new();
+    for tenant in ["url", "pairs"] {
+        expected.insert(tenant.to_string(), outbox.insert_many(tenant, 20).await);
+    }
+    eventually(
+        "every row relayed from the writable host",
+        Duration::from_secs(30),
+        || async { outbox.all_pending().await == 0 },
+    )
+    .await;
+    all_received(&broker, &expected).await;
+    assert_received_in_order(&broker, &expected);
+    let on_read_only = "SELECT count(*) FROM pg_stat_activity \
+         WHERE application_name LIKE 'outbox-relay%' AND datname = 'test'";
+    // Each new connection tries it first and leaves it at once.
+    eventually(
+        "no relay session stays on the read-only host",
+        Duration::from_secs(10),
+        || async { count(&admin, on_read_only).await == 0 },
+    )
+    .await;
+    for relay in relays {
+        relay.stop().await;
+    }
+    read_only.set_writable(&admin, true).await;
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
 #[test]
 fn several_hosts_are_shown_without_their_password() {
     for (url, shown) in [

@@ -1,7 +1,8 @@
 //! The HTTP server cannot be held: half-sent requests neither block `/readyz`
 //! nor delay SIGTERM, connections past the cap are closed at once and the
-//! relay's file descriptors stay bounded, and concurrent `/healthz` callers
-//! share one lag query. A failed bind of `http_addr` is said once.
+//! relay's file descriptors stay bounded, concurrent `/healthz` callers
+//! share one lag query, and `/healthz` answers within 2 s whatever the
+//! database does. A failed bind of `http_addr` is said once.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -236,25 +237,28 @@ async fn concurrent_healthz_callers_share_one_lag_query() {
         || async { lag_queries().await >= 1 },
     )
     .await;
-    // Held for a second (the fault's duration): never more than one query.
-    let held_until = Instant::now() + Duration::from_secs(1);
+    // Held past the callers' deadline (the fault's duration): never more
+    // than one query, and each caller answered 503 in time.
+    let held_until = Instant::now() + Duration::from_secs(2);
     let mut most = 0;
     while Instant::now() < held_until {
         most = most.max(lag_queries().await);
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    assert!(
-        callers.iter().all(|c| !c.is_finished()),
-        "every caller is still waiting for the lag"
-    );
+    for caller in callers {
+        let (code, body) = caller.await.expect("caller");
+        assert_eq!(code, 503, "{body}");
+        let health: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+        assert_eq!(health["status"], "error", "{body}");
+    }
     locker.batch_execute("COMMIT").await.expect("unlock");
     assert_eq!(
         most, 1,
         "20 concurrent /healthz callers ran {most} lag queries"
     );
 
-    for caller in callers {
-        let (code, body) = caller.await.expect("caller");
+    {
+        let (code, body) = relay.get("/healthz").await;
         assert_eq!(code, 503, "lagging: {body}");
         let health: serde_json::Value = serde_json::from_str(&body).expect("JSON");
         assert_eq!(health["status"], "lagging", "{body}");
@@ -315,4 +319,81 @@ fn a_failed_bind_is_reported_once() {
         stderr.starts_with("outbox-relay: cannot listen on"),
         "{stderr}"
     );
+}
+
+/// `/healthz` within the probe's 2 s, whatever the database does: a table
+/// locked by another session, a path that stalls (nothing forwarded, no
+/// close), a host that refuses connections. 503, saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_answers_within_2_s_whatever_the_database_does() {
+    use crate::proxy::{Mode, Proxy};
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let path = Proxy::start("127.0.0.1:5432".parse().unwrap(), Mode::Pass).await;
+    let mut config = config(&outbox, &broker, &["a"]);
+    config.database_url = format!("postgres://postgres@127.0.0.1:{}/test", path.addr.port())
+        .parse()
+        .unwrap();
+    config.listen_database_url = config.database_url.clone();
+    let relay = start_relay(config).await;
+    eventually("the relay is ready", Duration::from_secs(20), || {
+        readyz_ok(relay.addr)
+    })
+    .await;
+    assert_eq!(relay.get("/healthz").await.0, 200);
+
+    let answered_in_time = || async {
+        let asked = Instant::now();
+        let (code, body) = tokio::time::timeout(Duration::from_secs(2), relay.get("/healthz"))
+            .await
+            .unwrap_or_else(|_| panic!("/healthz did not answer within 2 s"));
+        (code, body, asked.elapsed())
+    };
+    let locker = pg_client().await;
+    locker
+        .batch_execute(&format!(
+            "BEGIN; LOCK TABLE {} IN ACCESS EXCLUSIVE MODE",
+            outbox.qualified()
+        ))
+        .await
+        .expect("lock the table");
+    for fault in ["locked", "stalled", "refused"] {
+        match fault {
+            "stalled" => path.set(Mode::Stall),
+            "refused" => path.kill(),
+            _ => {}
+        }
+        // Twice: the second caller may join the first one's query.
+        for _ in 0..2 {
+            let (code, body, took) = answered_in_time().await;
+            assert_eq!(code, 503, "{fault}: {body}");
+            let health: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+            assert_eq!(health["status"], "error", "{fault}: {body}");
+            assert!(
+                health["error"].as_str().is_some_and(|e| !e.is_empty()),
+                "{fault}: {body}"
+            );
+            eprintln!("{fault}: 503 in {took:?}: {}", health["error"]);
+        }
+        if fault == "locked" {
+            locker.batch_execute("COMMIT").await.expect("unlock");
+            // The lag query that waited on the lock answers first.
+            eventually(
+                "/healthz 200 once unlocked",
+                Duration::from_secs(20),
+                || async { relay.get("/healthz").await.0 == 200 },
+            )
+            .await;
+        }
+    }
+    path.set(Mode::Pass);
+    eventually(
+        "/healthz 200 once the path is back",
+        Duration::from_secs(30),
+        || async { relay.get("/healthz").await.0 == 200 },
+    )
+    .await;
+    relay.stop().await;
+    broker.delete().await;
+    outbox.drop_schema().await;
 }

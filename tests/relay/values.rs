@@ -245,7 +245,8 @@ async fn new_tables_keep_occurred_at_finite_and_in_years_1_to_9999() {
 
 /// A `bytea` payload would go out as hex text: the relay names the column
 /// and its type once, sends nothing, keeps the database "up" (it answers),
-/// and relays as soon as the column is fixed. `migrate` and `status` say so.
+/// and relays as soon as the column is fixed. `migrate` and `status` say so
+/// and exit 2, as for a configuration the relay cannot use.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unfit_payload_column_is_named_once_and_nothing_is_sent_until_fixed() {
     let outbox = Outbox::create().await;
@@ -300,7 +301,7 @@ async fn an_unfit_payload_column_is_named_once_and_nothing_is_sent_until_fixed()
 
     for command in ["migrate", "status"] {
         let (code, _, stderr) = run(&env, &[command]);
-        assert_eq!(code, Some(1), "{command}: {stderr}");
+        assert_eq!(code, Some(2), "{command}: {stderr}");
         assert!(
             stderr.contains("column \"payload\"") && stderr.contains("is bytea"),
             "{command}: {stderr}"
