@@ -91,7 +91,7 @@ async fn prepared_transactions_commit_through_the_trigger_and_hold_back_only_lat
     outbox
         .client
         .batch_execute(&format!(
-            "GRANT USAGE ON SCHEMA \"{schema}\" TO preparer; GRANT INSERT ON {} TO preparer",
+            "GRANT USAGE ON SCHEMA \"{schema}\" TO preparer; GRANT INSERT, SELECT ON {} TO preparer",
             outbox.qualified()
         ))
         .await
