@@ -638,6 +638,57 @@ mod tests {
     }
 
     #[test]
+    fn headers_read_from_their_json_text_keep_the_json_meaning() {
+        let r = row(
+            Some("x"),
+            Some(json!({
+                "big": 9_223_372_036_854_775_808_u64,
+                "neg": -7,
+                "esc": "a\"b\u{e9}",
+                "outbox-occurred-at": {"nested": [1, 2]},
+            })),
+        );
+        let m = message(&r).unwrap();
+        assert_eq!(
+            header(&m, "big"),
+            Some(&AMQPValue::Double(9_223_372_036_854_775_808.0)),
+            "past i64, a double"
+        );
+        assert_eq!(header(&m, "neg"), Some(&AMQPValue::LongLongInt(-7)));
+        assert_eq!(header(&m, "esc"), Some(&long_string("a\"bé")));
+        assert_eq!(
+            header(&m, "outbox-occurred-at"),
+            Some(&long_string("2026-11-30T08:15:01.25Z")),
+            "a reserved name is skipped whatever its value"
+        );
+        for (headers, found) in [
+            (json!(null), "null"),
+            (json!("x"), "a string"),
+            (json!(1.5), "a number"),
+            (json!(true), "a boolean"),
+        ] {
+            let refusal = message(&row(Some("x"), Some(headers))).unwrap_err();
+            assert_eq!(
+                refusal.last_error(),
+                format!("invalid: headers must be a JSON object, found {found}")
+            );
+        }
+        let refusal = message(&row(Some("x"), Some(json!({"list": [1]})))).unwrap_err();
+        assert!(
+            refusal.detail.contains("\"list\" is an array"),
+            "{refusal:?}"
+        );
+        let mut broken = row(Some("x"), None);
+        broken.headers = Some(Bytes::from_static(b"{\"a\": 1"));
+        let refusal = message(&broken).unwrap_err();
+        assert_eq!(refusal.reason, FailureReason::Invalid);
+        assert!(
+            refusal.detail.starts_with("headers cannot be read: "),
+            "{refusal:?}"
+        );
+    }
+
+    #[test]
     fn routing_headers_rabbitmq_type_checks_are_refused_naming_only_the_header() {
         for name in ROUTING_HEADERS {
             for value in [json!("secret-route"), json!(7), json!(true)] {

@@ -379,7 +379,10 @@ pub struct Store {
 /// more, so a longer one is refused without being read. It bounds what one
 /// row can cost besides its payload (see `budget::ROW_FIELDS_MAX`).
 pub const FIELD_LIMIT: i64 = 512 << 10;
-const _: () = assert!(FIELD_LIMIT == 512 << 10, "budget::ROW_FIELDS_MAX counts on it");
+const _: () = assert!(
+    FIELD_LIMIT == 512 << 10,
+    "budget::ROW_FIELDS_MAX counts on it"
+);
 
 /// A read whose rows were larger than this leaves its connection's read
 /// buffer grown to hold them; such a connection is closed when its claim
@@ -1057,7 +1060,9 @@ impl Store {
     pub async fn requeue_tenant(&self, tenant: &str) -> Result<Vec<Changed>, LifecycleError> {
         let sql = &self.lifecycle_statements().await?.requeue_tenant;
         Ok(self
-            .query_all("requeue", sql, &[(&tenant, Type::TEXT)], |row| changed(&row))
+            .query_all("requeue", sql, &[(&tenant, Type::TEXT)], |row| {
+                changed(&row)
+            })
             .await?)
     }
 
