@@ -507,14 +507,13 @@ fn decode(
             OffsetDateTime::UNIX_EPOCH
         }
     };
-    let payload = payload.unwrap_or_else(|| {
-        let column = row
-            .columns()
-            .iter()
-            .position(|c| c.name() == "payload")
-            .unwrap_or_default();
-        Payload::Body(Bytes::from_owner(PayloadOf { row, column }))
-    });
+    // Found: `try_get("payload")` above read it.
+    let column = row.columns().iter().position(|c| c.name() == "payload");
+    let payload = match (payload, column) {
+        (Some(payload), _) => payload,
+        (None, Some(column)) => Payload::Body(Bytes::from_owner(PayloadOf { row, column })),
+        (None, None) => Payload::Tombstone,
+    };
     Ok(OutboxRow {
         id,
         kind,
@@ -823,8 +822,8 @@ impl Store {
 
     /// The tenant's oldest pending rows after id `after`, as many as fit
     /// `budget` bytes (at least one), decoded one at a time as they arrive
-    /// (only the row being read is held twice). Read in the claim's
-    /// transaction, which alone lets the statement return rows.
+    /// (each payload stays in its row's buffer, see `PayloadOf`). Read in
+    /// the claim's transaction, which alone lets the statement return rows.
     async fn read_batch(
         &self,
         client: &Object,
