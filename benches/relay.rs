@@ -42,8 +42,10 @@
 //! 4. idle — 1,000 tenants, no rows: transactions per poll, CPU, peak RSS;
 //! 5. drain with 4 KiB payloads;
 //! 6. memory — peak RSS of one relay (defaults) relaying one 100 MiB row
-//!    (refused as `too_large`), six 15 MiB rows, and 2,048 rows of 64 KiB
-//!    over 4 tenants: the byte budget (`max_bytes_in_flight`) at work;
+//!    (refused as `too_large`), six 15 MiB rows, 4 tenants x 4 rows of
+//!    15.9 MiB, 2,048 rows of 64 KiB over 4 tenants, and header-heavy rows
+//!    over 4 tenants (4,000 keys; the densest table that fits `frame_max`):
+//!    the byte budget (`max_bytes_in_flight`) at work, against 120 MiB;
 //! 7. scale — 10,000 tenants (`tenants = "*"`), BENCH_ROWS rows: half over
 //!    10 hot tenants, half over the 9,990 others; drained by 1, 3 and 6
 //!    relays with a consumer: rate, idle sweeps beyond one per tenant and
@@ -280,10 +282,15 @@ impl Table {
 
     /// `rows` rows spread round-robin over `tenants`, payloads of `size` bytes.
     async fn fill(&self, tenants: &[String], rows: u64, size: usize) {
+        self.fill_with_headers(tenants, rows, size, "NULL").await;
+    }
+
+    /// As [`Table::fill`], each row's `headers` the SQL expression `headers`.
+    async fn fill_with_headers(&self, tenants: &[String], rows: u64, size: usize, headers: &str) {
         let sql = format!(
-            "INSERT INTO {} (tenant_id, kind, subject_id, payload)
-             SELECT ($1::text[])[1 + (g % cardinality($1::text[]))], 'thing.changed', 's-' || g, repeat('x', $2)
-             FROM generate_series(0, $3::bigint - 1) g",
+            "INSERT INTO {} (tenant_id, kind, subject_id, payload, headers)
+             SELECT ($1::text[])[1 + (g % cardinality($1::text[]))], 'thing.changed', 's-' || g, repeat('x', $2), h
+             FROM generate_series(0, $3::bigint - 1) g, (SELECT ({headers})::jsonb AS h) c",
             self.qualified()
         );
         let size = size as i32;
@@ -1651,14 +1658,22 @@ async fn writer_costs(report: &mut Report, runs: usize) {
 /// The relay's default `max_payload_bytes`.
 const DEFAULT_MAX_PAYLOAD_BYTES: usize = 16 << 20;
 
+/// Headers of 4,000 small keys (about 83 KB of JSON).
+const HEADERS_4000_KEYS: &str = "SELECT jsonb_object_agg('key' || lpad(k::text, 5, '0'), 'v' || k) FROM generate_series(1, 4000) k";
+/// The densest header table that fits RabbitMQ's default frame_max: 14,000
+/// boolean keys of 2 to 6 bytes, about 8 bytes each on the wire.
+const HEADERS_DENSEST: &str =
+    "SELECT jsonb_object_agg('h' || k, true) FROM generate_series(1, 14000) k";
+
 /// Peak RSS (MiB) of one relay with the default configuration relaying
-/// `rows` rows of `size` bytes spread over `tenant_count` tenants: those within
-/// `max_payload_bytes` until they have arrived, larger ones until refused.
-async fn memory_peak(tenant_count: usize, rows: u64, size: usize) -> f64 {
+/// `rows` rows of `size` bytes, with `headers` (a SQL expression), spread
+/// over `tenant_count` tenants: those within `max_payload_bytes` until they
+/// have arrived, larger ones until refused.
+async fn memory_peak(tenant_count: usize, rows: u64, size: usize, headers: &str) -> f64 {
     let table = Table::create().await;
     let exchange = Exchange::create(false).await;
     let names = tenants(tenant_count);
-    table.fill(&names, rows, size).await;
+    table.fill_with_headers(&names, rows, size, headers).await;
     let relay = RelayProcess::spawn(&table, &exchange, &names);
     if size <= DEFAULT_MAX_PAYLOAD_BYTES {
         let arrived = exchange
@@ -2336,24 +2351,47 @@ async fn main() {
         }
     }
     if knobs.wants("memory") {
-        // The manifests give the relay 128 MiB.
-        let limit = Some(("the manifests' 128 MiB", 128.0));
-        for (name, tenants, rows, size) in [
+        // The manifests give the relay 128 MiB; the target leaves 8 MiB.
+        let limit = Some(("120 MiB (the manifests give 128)", 120.0));
+        for (name, tenants, rows, size, headers) in [
             (
                 "memory: one 100 MiB row (refused): peak RSS",
                 1,
                 1,
                 100 << 20,
+                "NULL",
             ),
-            ("memory: six 15 MiB rows: peak RSS", 1, 6, 15 << 20),
+            ("memory: six 15 MiB rows: peak RSS", 1, 6, 15 << 20, "NULL"),
+            (
+                "memory: 15.9 MiB rows, 4 tenants x 4: peak RSS",
+                4,
+                16,
+                16_672_358,
+                "NULL",
+            ),
             (
                 "memory: 64 KiB rows, 4 tenants x 512: peak RSS",
                 4,
                 2048,
                 64 << 10,
+                "NULL",
+            ),
+            (
+                "memory: 4,000-key headers, 4 tenants x 300: peak RSS",
+                4,
+                1200,
+                2,
+                HEADERS_4000_KEYS,
+            ),
+            (
+                "memory: densest headers (14,000 keys), 4 tenants x 100: peak RSS",
+                4,
+                400,
+                2,
+                HEADERS_DENSEST,
             ),
         ] {
-            let f = repeat(runs, || memory_peak(tenants, rows, size)).await;
+            let f = repeat(runs, || memory_peak(tenants, rows, size, headers)).await;
             report.add(name, "MiB", &f, limit);
         }
     }

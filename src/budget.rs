@@ -4,6 +4,22 @@
 //! the rest back at once; a row larger than a share waits until the budget
 //! has room for it alone. However large or many the rows, the relay holds no
 //! more than the budget of them (see `domain::OutboxRow::cost`).
+//!
+//! A row costs what it holds at most, all at once, from its read to its
+//! confirm (`read_batch.sql` sums it; measured with the default allocator):
+//!
+//! - its payload [`PAYLOAD_COPIES`] times: the database connection's read
+//!   buffer it is left in (which grows by doubling, so up to twice the
+//!   row), and the AMQP client's body frames;
+//! - its `headers` [`HEADERS_COPIES`] times their JSON text: as read, the
+//!   relay's copy, and the AMQP client's header table until it is written
+//!   (a table of small keys takes 9 to 16 times its JSON);
+//! - its `subject_id` [`SUBJECT_COPIES`] times: as read, the relay's copy,
+//!   and the message's `outbox-subject-id` header;
+//! - its `kind`, and [`ROW_OVERHEAD`] for the rest.
+//!
+//! A connection whose read buffer grew past a large row is closed when its
+//! claim ends, not pooled (`store`), so no buffer outlives its rows.
 
 use std::sync::Arc;
 
@@ -12,16 +28,26 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 /// The unit the budget is counted in: a permit is this many bytes.
 const UNIT: usize = 1024;
 
-/// What besides its payload one row may cost at most: a `subject_id` and
-/// `headers` as long as the batch read takes them (1 MiB each), plus the
-/// per-row overhead. With twice `max_payload_bytes`, the least budget that
-/// always holds one row.
-pub const ROW_FIELDS_MAX: usize = 2 * 1024 * 1024 + UNIT;
+/// Copies of a payload held at once (see the module's header).
+pub const PAYLOAD_COPIES: usize = 3;
+/// Bytes held per byte of a row's `headers` JSON (see the module's header).
+pub const HEADERS_COPIES: usize = 18;
+/// Copies of a `subject_id` held at once.
+pub const SUBJECT_COPIES: usize = 3;
+/// What every row costs besides its fields.
+pub const ROW_OVERHEAD: usize = UNIT;
 
-/// The least `max_bytes_in_flight` for a `max_payload_bytes`.
+/// What besides its payload one row may cost at most: a `subject_id` and
+/// `headers` as long as the batch read takes them (`store::FIELD_LIMIT`,
+/// 512 KiB each), a `kind` of 255 bytes, and the per-row overhead.
+pub const ROW_FIELDS_MAX: usize =
+    (SUBJECT_COPIES + HEADERS_COPIES) * (512 << 10) + 255 + ROW_OVERHEAD;
+
+/// The least `max_bytes_in_flight` for a `max_payload_bytes`: one row of
+/// the largest payload always fits.
 pub fn least_for(max_payload_bytes: usize) -> usize {
     max_payload_bytes
-        .saturating_mul(2)
+        .saturating_mul(PAYLOAD_COPIES)
         .saturating_add(ROW_FIELDS_MAX)
 }
 
@@ -153,7 +179,11 @@ mod tests {
 
     #[test]
     fn the_least_budget_holds_one_row_of_the_largest_payload() {
-        assert_eq!(least_for(16 << 20), (32 << 20) + ROW_FIELDS_MAX);
+        assert_eq!(least_for(16 << 20), (48 << 20) + ROW_FIELDS_MAX);
+        assert!(
+            least_for(16 << 20) <= 64 << 20,
+            "the default budget holds a row of the default max_payload_bytes"
+        );
         assert_eq!(least_for(usize::MAX), usize::MAX);
     }
 }

@@ -103,7 +103,7 @@ keys! {
     max_payload_bytes: usize ["BYTES"] = 16_777_216, int(1, i64::from(u32::MAX));
     /// Park a row when its own refusal (too_large, invalid) reaches this many attempts; 0 = never
     park_after_attempts: u64 ["N"] = 0, int(0, i64::from(i32::MAX));
-    /// Relay-wide budget of row bytes read and in flight (≥ 2 × max_payload_bytes + 2 MiB)
+    /// Relay-wide budget of row bytes read and in flight (≥ 3 × max_payload_bytes + 10.5 MiB)
     max_bytes_in_flight: usize ["BYTES"] = 64 << 20, int(1, NO_MAX),
         check |n: &usize| holds_one_row(*n, max_payload_bytes);
     /// Address of the HTTP endpoints
@@ -142,7 +142,7 @@ fn holds_one_row(budget: usize, max_payload_bytes: usize) -> Result<(), String> 
     let least = crate::budget::least_for(max_payload_bytes);
     if budget < least {
         return Err(format!(
-            "must hold one row of max_payload_bytes ({max_payload_bytes}): at least 2 × max_payload_bytes + 2 MiB ({least})"
+            "must hold one row of max_payload_bytes ({max_payload_bytes}): at least 3 × max_payload_bytes + 10.5 MiB ({least})"
         ));
     }
     Ok(())

@@ -14,7 +14,10 @@ pub struct OutboxRow {
     pub kind: String,
     pub subject_id: String,
     pub payload: Payload,
-    pub headers: Option<serde_json::Value>,
+    /// The row's `headers` as JSON text, kept as read: they become AMQP
+    /// headers only when the message is built (see `envelope`), so a batch
+    /// never holds them decoded.
+    pub headers: Option<Bytes>,
     pub occurred_at: OffsetDateTime,
     /// Why the row as stored cannot become a message (a value the relay
     /// could not read or that no message can carry); such a row is refused
@@ -22,8 +25,9 @@ pub struct OutboxRow {
     /// placeholders where it could not be read.
     pub defect: Option<String>,
     /// What the row holds of the relay's byte budget while it is in flight
-    /// (`max_bytes_in_flight`): its payload twice (the relay's copy and the
-    /// AMQP client's frames), its other fields, and a fixed overhead.
+    /// (`max_bytes_in_flight`): every copy of it held at once, from the
+    /// database connection's read buffer to the AMQP client's frames and
+    /// decoded header table (see `budget`), and a fixed overhead.
     pub cost: usize,
 }
 

@@ -283,71 +283,220 @@ fn long_string(value: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(value.as_bytes().to_vec()))
 }
 
-/// Adds a row's `headers` object: strings, numbers and booleans; `null` means
-/// absent; anything else refuses the row rather than dropping data silently.
-fn merge_row_headers(headers: &mut FieldTable, extra: &serde_json::Value) -> Result<(), Refusal> {
-    let serde_json::Value::Object(map) = extra else {
-        return Err(Refusal::new(
+/// Adds a row's `headers` object (its JSON text): strings, numbers and
+/// booleans; `null` means absent; anything else refuses the row rather than
+/// dropping data silently. The text is read straight into the header table,
+/// one name and value at a time: the row's headers are never held decoded
+/// twice (a table of small keys takes some ten times its JSON).
+fn merge_row_headers(headers: &mut FieldTable, json: &[u8]) -> Result<(), Refusal> {
+    let mut refusal = None;
+    let mut reader = serde_json::Deserializer::from_slice(json);
+    let read = serde::Deserializer::deserialize_any(
+        &mut reader,
+        RowHeaders {
+            headers,
+            refusal: &mut refusal,
+        },
+    )
+    .and_then(|()| reader.end());
+    match (refusal, read) {
+        (Some(refusal), _) => Err(refusal),
+        (None, Ok(())) => Ok(()),
+        // The database hands out valid JSON; this only says where it broke.
+        (None, Err(error)) => Err(Refusal::new(
             FailureReason::Invalid,
-            format!("headers must be a JSON object, found {}", json_kind(extra)),
-        ));
-    };
-    for (name, value) in map {
-        if RESERVED_HEADERS.contains(&name.as_str()) {
-            continue;
-        }
-        let amqp = match value {
-            serde_json::Value::Null => continue,
-            serde_json::Value::String(s) => long_string(s),
-            serde_json::Value::Bool(b) => AMQPValue::Boolean(*b),
-            serde_json::Value::Number(n) => match n.as_i64() {
-                Some(i) => AMQPValue::LongLongInt(i),
-                None => AMQPValue::Double(n.as_f64().unwrap_or(f64::NAN)),
-            },
-            other => {
-                return Err(Refusal::new(
+            format!("headers cannot be read: {error}"),
+        )),
+    }
+}
+
+/// Reads a row's `headers` into the message's table (see
+/// [`merge_row_headers`]); a refusal stops the reading and is left in
+/// `refusal`.
+struct RowHeaders<'a> {
+    headers: &'a mut FieldTable,
+    refusal: &'a mut Option<Refusal>,
+}
+
+impl RowHeaders<'_> {
+    fn refuse<E: serde::de::Error>(self, refusal: Refusal) -> Result<(), E> {
+        *self.refusal = Some(refusal);
+        Err(E::custom("refused"))
+    }
+
+    fn not_an_object<E: serde::de::Error>(self, kind: &str) -> Result<(), E> {
+        self.refuse(Refusal::new(
+            FailureReason::Invalid,
+            format!("headers must be a JSON object, found {kind}"),
+        ))
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for RowHeaders<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while let Some(name) = map.next_key::<String>()? {
+            if RESERVED_HEADERS.contains(&name.as_str()) {
+                map.next_value::<serde::de::IgnoredAny>()?;
+                continue;
+            }
+            let value = map.next_value::<HeaderValue>()?;
+            let amqp = match value {
+                HeaderValue::Null => continue,
+                HeaderValue::String(s) => AMQPValue::LongString(LongString::from(s.into_bytes())),
+                HeaderValue::Bool(b) => AMQPValue::Boolean(b),
+                HeaderValue::Int(i) => AMQPValue::LongLongInt(i),
+                HeaderValue::Float(f) => AMQPValue::Double(f),
+                HeaderValue::Other(kind) => {
+                    return self.refuse(Refusal::new(
+                        FailureReason::Invalid,
+                        format!(
+                            "header {:?} is {kind}; only strings, numbers and booleans are allowed",
+                            truncate(&name),
+                        ),
+                    ));
+                }
+            };
+            if ROUTING_HEADERS.contains(&name.as_str()) {
+                return self.refuse(Refusal::new(
                     FailureReason::Invalid,
                     format!(
-                        "header {:?} is {}; only strings, numbers and booleans are allowed",
-                        truncate(name),
-                        json_kind(other)
+                        "header {name:?} is reserved by RabbitMQ for sender-selected routing \
+                         and must be an array of strings; the broker would refuse {}",
+                        value_kind(&amqp)
                     ),
                 ));
             }
-        };
-        if ROUTING_HEADERS.contains(&name.as_str()) {
-            return Err(Refusal::new(
-                FailureReason::Invalid,
-                format!(
-                    "header {name:?} is reserved by RabbitMQ for sender-selected routing \
-                     and must be an array of strings; the broker would refuse {}",
-                    json_kind(value)
-                ),
-            ));
+            if name.len() > 255 {
+                return self.refuse(Refusal::new(
+                    FailureReason::Invalid,
+                    format!(
+                        "header name {:?}… is {} bytes; AMQP allows at most 255",
+                        truncate(&name),
+                        name.len()
+                    ),
+                ));
+            }
+            let Ok(key) = ShortString::try_new(name) else {
+                return self.refuse(Refusal::new(
+                    FailureReason::Invalid,
+                    "a header name is over 255 bytes",
+                ));
+            };
+            self.headers.insert(key, amqp);
         }
-        let key = ShortString::try_new(name.clone()).map_err(|_| {
-            Refusal::new(
-                FailureReason::Invalid,
-                format!(
-                    "header name {:?}… is {} bytes; AMQP allows at most 255",
-                    truncate(name),
-                    name.len()
-                ),
-            )
-        })?;
-        headers.insert(key, amqp);
+        Ok(())
     }
-    Ok(())
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, _: A) -> Result<(), A::Error> {
+        self.not_an_object("an array")
+    }
+
+    fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<(), E> {
+        self.not_an_object("a string")
+    }
+
+    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<(), E> {
+        self.not_an_object("a boolean")
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<(), E> {
+        self.not_an_object("a number")
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<(), E> {
+        self.not_an_object("a number")
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<(), E> {
+        self.not_an_object("a number")
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> Result<(), E> {
+        self.not_an_object("null")
+    }
 }
 
-fn json_kind(value: &serde_json::Value) -> &'static str {
+/// One value of a row's `headers` object, as far as the message needs it.
+enum HeaderValue {
+    Null,
+    String(String),
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    /// What no header can carry: an object or an array.
+    Other(&'static str),
+}
+
+impl<'de> serde::Deserialize<'de> for HeaderValue {
+    fn deserialize<D: serde::Deserializer<'de>>(reader: D) -> Result<HeaderValue, D::Error> {
+        reader.deserialize_any(HeaderValueVisitor)
+    }
+}
+
+struct HeaderValueVisitor;
+
+impl<'de> serde::de::Visitor<'de> for HeaderValueVisitor {
+    type Value = HeaderValue;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_unit<E>(self) -> Result<HeaderValue, E> {
+        Ok(HeaderValue::Null)
+    }
+
+    fn visit_str<E>(self, s: &str) -> Result<HeaderValue, E> {
+        Ok(HeaderValue::String(s.to_owned()))
+    }
+
+    fn visit_string<E>(self, s: String) -> Result<HeaderValue, E> {
+        Ok(HeaderValue::String(s))
+    }
+
+    fn visit_bool<E>(self, b: bool) -> Result<HeaderValue, E> {
+        Ok(HeaderValue::Bool(b))
+    }
+
+    fn visit_i64<E>(self, i: i64) -> Result<HeaderValue, E> {
+        Ok(HeaderValue::Int(i))
+    }
+
+    fn visit_u64<E>(self, u: u64) -> Result<HeaderValue, E> {
+        // Past i64: a double, as JSON numbers are.
+        Ok(i64::try_from(u).map_or(HeaderValue::Float(u as f64), HeaderValue::Int))
+    }
+
+    fn visit_f64<E>(self, f: f64) -> Result<HeaderValue, E> {
+        Ok(HeaderValue::Float(f))
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<HeaderValue, A::Error> {
+        while map
+            .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+            .is_some()
+        {}
+        Ok(HeaderValue::Other("an object"))
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<HeaderValue, A::Error> {
+        while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+        Ok(HeaderValue::Other("an array"))
+    }
+}
+
+/// What kind of JSON value a header came from (for a refusal).
+fn value_kind(value: &AMQPValue) -> &'static str {
     match value {
-        serde_json::Value::Null => "null",
-        serde_json::Value::Bool(_) => "a boolean",
-        serde_json::Value::Number(_) => "a number",
-        serde_json::Value::String(_) => "a string",
-        serde_json::Value::Array(_) => "an array",
-        serde_json::Value::Object(_) => "an object",
+        AMQPValue::Boolean(_) => "a boolean",
+        AMQPValue::LongString(_) => "a string",
+        _ => "a number",
     }
 }
 
@@ -384,7 +533,7 @@ mod tests {
             }),
             defect: None,
             cost: 0,
-            headers,
+            headers: headers.map(|h| Bytes::from(h.to_string())),
             occurred_at: datetime!(2026-11-30 09:15:01.25 +01:00),
         }
     }
@@ -484,6 +633,57 @@ mod tests {
         assert_eq!(refusal.reason, FailureReason::Invalid);
         assert!(
             refusal.detail.contains("\"nested\" is an object"),
+            "{refusal:?}"
+        );
+    }
+
+    #[test]
+    fn headers_read_from_their_json_text_keep_the_json_meaning() {
+        let r = row(
+            Some("x"),
+            Some(json!({
+                "big": 9_223_372_036_854_775_808_u64,
+                "neg": -7,
+                "esc": "a\"b\u{e9}",
+                "outbox-occurred-at": {"nested": [1, 2]},
+            })),
+        );
+        let m = message(&r).unwrap();
+        assert_eq!(
+            header(&m, "big"),
+            Some(&AMQPValue::Double(9_223_372_036_854_775_808.0)),
+            "past i64, a double"
+        );
+        assert_eq!(header(&m, "neg"), Some(&AMQPValue::LongLongInt(-7)));
+        assert_eq!(header(&m, "esc"), Some(&long_string("a\"bé")));
+        assert_eq!(
+            header(&m, "outbox-occurred-at"),
+            Some(&long_string("2026-11-30T08:15:01.25Z")),
+            "a reserved name is skipped whatever its value"
+        );
+        for (headers, found) in [
+            (json!(null), "null"),
+            (json!("x"), "a string"),
+            (json!(1.5), "a number"),
+            (json!(true), "a boolean"),
+        ] {
+            let refusal = message(&row(Some("x"), Some(headers))).unwrap_err();
+            assert_eq!(
+                refusal.last_error(),
+                format!("invalid: headers must be a JSON object, found {found}")
+            );
+        }
+        let refusal = message(&row(Some("x"), Some(json!({"list": [1]})))).unwrap_err();
+        assert!(
+            refusal.detail.contains("\"list\" is an array"),
+            "{refusal:?}"
+        );
+        let mut broken = row(Some("x"), None);
+        broken.headers = Some(Bytes::from_static(b"{\"a\": 1"));
+        let refusal = message(&broken).unwrap_err();
+        assert_eq!(refusal.reason, FailureReason::Invalid);
+        assert!(
+            refusal.detail.starts_with("headers cannot be read: "),
             "{refusal:?}"
         );
     }

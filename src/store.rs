@@ -33,6 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
+use bytes::Bytes;
 use deadpool_postgres::{
     BuildError, Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime, Timeouts,
 };
@@ -47,7 +48,7 @@ use crate::config::{Config, DatabaseTarget, Tenants};
 use crate::domain::{BatchReport, FailureReason, Lease, OutboxRow, Payload};
 use crate::migrate::{quote_literal, wakeup_channel};
 pub use columns::Drift;
-use columns::{Body, OccurredAt};
+use columns::{OccurredAt, Raw};
 
 /// Deadline of each round trip of a sweep, and of the poll and lag queries.
 pub const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -394,16 +395,44 @@ pub struct Writers {
 }
 
 /// The longest `subject_id` or `headers` (as JSON text) the batch read
-/// returns: no AMQP frame takes more (RabbitMQ's `frame_max` is 128 KiB by
-/// default), so a longer one is refused without being read.
-const FIELD_LIMIT: i64 = 1 << 20;
+/// returns: no AMQP frame of RabbitMQ's default `frame_max` (128 KiB) takes
+/// more, so a longer one is refused without being read. It bounds what one
+/// row can cost besides its payload (see `budget::ROW_FIELDS_MAX`).
+pub const FIELD_LIMIT: i64 = 512 << 10;
+const _: () = assert!(
+    FIELD_LIMIT == 512 << 10,
+    "budget::ROW_FIELDS_MAX counts on it"
+);
+
+/// A read whose rows were larger than this leaves its connection's read
+/// buffer grown to hold them; such a connection is closed when its claim
+/// ends rather than kept in the pool with that buffer (see
+/// [`Claim::release`]).
+const RETAINED_READ_MAX: usize = 1 << 20;
+
+/// The payload of a row read, left where the server's answer put it: the
+/// message body shares the row's buffer instead of copying it, and the
+/// buffer goes with the last holder of the body.
+struct PayloadOf {
+    row: tokio_postgres::Row,
+    column: usize,
+}
+
+impl AsRef<[u8]> for PayloadOf {
+    fn as_ref(&self) -> &[u8] {
+        match self.row.try_get::<_, Option<Raw>>(self.column) {
+            Ok(Some(Raw(bytes))) => bytes,
+            _ => &[],
+        }
+    }
+}
 
 /// Reads one row of `read_batch.sql` (whose columns [`columns::check_row`]
 /// found fit). A value that cannot be read, or was left in the database for
 /// its size, makes that row defective (refused as `invalid` or
 /// `too_large`), never the batch.
 fn decode(
-    row: &tokio_postgres::Row,
+    row: tokio_postgres::Row,
     max_payload_bytes: i64,
 ) -> Result<OutboxRow, tokio_postgres::Error> {
     let id: i64 = row.try_get("id")?;
@@ -427,22 +456,25 @@ fn decode(
     let kind = text("kind", "kind", 255);
     let subject_id = text("subject_id", "subject_id", FIELD_LIMIT);
     let payload_bytes: Option<i32> = row.try_get("payload_bytes")?;
-    let payload = match (row.try_get::<_, Option<Body>>("payload"), payload_bytes) {
-        (Ok(Some(body)), _) => Payload::Body(body.0),
-        (Ok(None), None) => Payload::Tombstone,
-        (Ok(None), Some(bytes)) if i64::from(bytes) > max_payload_bytes => Payload::TooLarge {
+    // The body itself is attached last, sharing the row (see `PayloadOf`).
+    let payload = match (row.try_get::<_, Option<Raw>>("payload"), payload_bytes) {
+        (Ok(Some(_)), _) => None,
+        (Ok(None), None) => Some(Payload::Tombstone),
+        (Ok(None), Some(bytes)) if i64::from(bytes) > max_payload_bytes => {
+            Some(Payload::TooLarge {
+                bytes: u64::try_from(bytes).unwrap_or_default(),
+            })
+        }
+        (Ok(None), Some(bytes)) => Some(Payload::OverBudget {
             bytes: u64::try_from(bytes).unwrap_or_default(),
-        },
-        (Ok(None), Some(bytes)) => Payload::OverBudget {
-            bytes: u64::try_from(bytes).unwrap_or_default(),
-        },
+        }),
         (Err(error), _) => {
             defects.push(format!("payload cannot be read: {error}"));
-            Payload::Tombstone
+            Some(Payload::Tombstone)
         }
     };
     let headers_bytes: Option<i32> = row.try_get("headers_bytes")?;
-    let headers = match row.try_get::<_, Option<serde_json::Value>>("headers") {
+    let headers = match row.try_get::<_, Option<Raw>>("headers") {
         Ok(None) if headers_bytes.is_some() => {
             defects.push(format!(
                 "headers are {} bytes of JSON, over {FIELD_LIMIT}",
@@ -450,7 +482,7 @@ fn decode(
             ));
             None
         }
-        Ok(headers) => headers,
+        Ok(headers) => headers.map(|Raw(json)| Bytes::copy_from_slice(json)),
         Err(error) => {
             defects.push(format!("headers cannot be read: {error}"));
             None
@@ -470,6 +502,13 @@ fn decode(
             OffsetDateTime::UNIX_EPOCH
         }
     };
+    // Found: `try_get("payload")` above read it.
+    let column = row.columns().iter().position(|c| c.name() == "payload");
+    let payload = match (payload, column) {
+        (Some(payload), _) => payload,
+        (None, Some(column)) => Payload::Body(Bytes::from_owner(PayloadOf { row, column })),
+        (None, None) => Payload::Tombstone,
+    };
     Ok(OutboxRow {
         id,
         kind,
@@ -480,6 +519,16 @@ fn decode(
         defect: (!defects.is_empty()).then(|| defects.join("; ")),
         cost: usize::try_from(cost).unwrap_or(usize::MAX),
     })
+}
+
+/// What the server sent of `row` that the relay may hold: its payload and
+/// headers (see [`RETAINED_READ_MAX`]).
+fn read_bytes(row: &OutboxRow) -> usize {
+    let payload = match &row.payload {
+        Payload::Body(body) => body.len(),
+        _ => 0,
+    };
+    payload + row.headers.as_ref().map_or(0, Bytes::len)
 }
 
 /// A row of requeue.sql, requeue_tenant.sql or discard.sql.
@@ -734,6 +783,7 @@ impl Store {
             cut_by_budget: false,
             writers: false,
             position: 0,
+            largest_read: 0,
             ahead: Mutex::new(MarksAhead::default()),
         };
         let client = claim.client();
@@ -767,6 +817,7 @@ impl Store {
             Batch {
                 rows,
                 cut_by_budget,
+                largest_read,
             },
         ) = deadline("the claim", work).await?;
         if read_only {
@@ -781,6 +832,7 @@ impl Store {
         claim.cut_by_budget = cut_by_budget;
         claim.writers = writers;
         claim.position = position;
+        claim.largest_read = largest_read;
         Ok(Some(claim))
     }
 
@@ -913,8 +965,8 @@ impl Store {
 
     /// The tenant's oldest pending rows after id `after`, as many as fit
     /// `budget` bytes (at least one), decoded one at a time as they arrive
-    /// (only the row being read is held twice). Read in the claim's
-    /// transaction, which alone lets the statement return rows.
+    /// (each payload stays in its row's buffer, see `PayloadOf`). Read in
+    /// the claim's transaction, which alone lets the statement return rows.
     async fn read_batch(
         &self,
         client: &Object,
@@ -950,7 +1002,9 @@ impl Store {
                 batch.cut_by_budget = true;
                 continue;
             }
-            batch.rows.push(decode(&row, self.max_payload_bytes)?);
+            let row = decode(row, self.max_payload_bytes)?;
+            batch.largest_read = batch.largest_read.max(read_bytes(&row));
+            batch.rows.push(row);
         }
         Ok(batch)
     }
@@ -1157,7 +1211,7 @@ impl Store {
     pub async fn requeue(&self, id: i64) -> Result<Vec<Changed>, LifecycleError> {
         let sql = &self.lifecycle_statements().await?.requeue;
         Ok(self
-            .query_all("requeue", sql, &[(&id, Type::INT8)], changed)
+            .query_all("requeue", sql, &[(&id, Type::INT8)], |row| changed(&row))
             .await?)
     }
 
@@ -1166,7 +1220,9 @@ impl Store {
     pub async fn requeue_tenant(&self, tenant: &str) -> Result<Vec<Changed>, LifecycleError> {
         let sql = &self.lifecycle_statements().await?.requeue_tenant;
         Ok(self
-            .query_all("requeue", sql, &[(&tenant, Type::TEXT)], changed)
+            .query_all("requeue", sql, &[(&tenant, Type::TEXT)], |row| {
+                changed(&row)
+            })
             .await?)
     }
 
@@ -1175,7 +1231,7 @@ impl Store {
     pub async fn discard(&self, id: i64) -> Result<Vec<Changed>, LifecycleError> {
         let sql = &self.lifecycle_statements().await?.discard;
         Ok(self
-            .query_all("discard", sql, &[(&id, Type::INT8)], changed)
+            .query_all("discard", sql, &[(&id, Type::INT8)], |row| changed(&row))
             .await?)
     }
 
@@ -1222,7 +1278,7 @@ impl Store {
                 "the replay read",
                 &self.statements().replay_batch,
                 &params,
-                |row| match columns::check_row(table, row) {
+                |row| match columns::check_row(table, &row) {
                     Ok(()) => decode(row, max_payload_bytes).map(Ok),
                     Err(drift) => Ok(Err(drift)),
                 },
@@ -1238,12 +1294,12 @@ impl Store {
         what: &'static str,
         sql: &str,
         params: &[(&(dyn ToSql + Sync), Type)],
-        map: impl Fn(&tokio_postgres::Row) -> Result<T, tokio_postgres::Error>,
+        map: impl Fn(tokio_postgres::Row) -> Result<T, tokio_postgres::Error>,
     ) -> Result<Vec<T>, StoreError> {
         let conn = self.connection().await?;
         let work = async {
             let rows = conn.query_typed(sql, params).await?;
-            Ok(rows.iter().map(map).collect::<Result<Vec<T>, _>>()?)
+            Ok(rows.into_iter().map(map).collect::<Result<Vec<T>, _>>()?)
         };
         let result = deadline(what, work).await;
         if result.is_err() {
@@ -1299,6 +1355,8 @@ struct Batch {
     rows: Vec<OutboxRow>,
     /// More rows were pending than the byte budget let the batch hold.
     cut_by_budget: bool,
+    /// The most any one row brought (see [`RETAINED_READ_MAX`]).
+    largest_read: usize,
 }
 
 /// What a claim has sent ahead of its commit on its connection: marks, and
@@ -1373,6 +1431,8 @@ pub struct Claim {
     writers: bool,
     /// Where the id sequence stood at the claim.
     position: i64,
+    /// The most any one row read on the claim's connection brought.
+    largest_read: usize,
     ahead: Mutex<MarksAhead>,
 }
 
@@ -1429,13 +1489,17 @@ impl Claim {
         let client = self.client();
         let sql = &self.store.statements().read_payload;
         let table = &self.store.statements().table;
-        let payload: Option<Body> = deadline("reading a payload", async {
+        let row = deadline("reading a payload", async {
             let row = client.query_typed_one(sql, &[(&id, Type::INT8)]).await?;
             columns::check_row(table, &row)?;
-            Ok(row.try_get(0)?)
+            Ok(row)
         })
         .await?;
-        self.rows[0].payload = payload.map_or(Payload::Tombstone, |body| Payload::Body(body.0));
+        self.rows[0].payload = match row.try_get::<_, Option<Raw>>(0)? {
+            Some(_) => Payload::Body(Bytes::from_owner(PayloadOf { row, column: 0 })),
+            None => Payload::Tombstone,
+        };
+        self.largest_read = self.largest_read.max(read_bytes(&self.rows[0]));
         Ok(())
     }
 
@@ -1532,6 +1596,7 @@ impl Claim {
         ahead.rows = 0;
         self.rows = batch.rows;
         self.cut_by_budget = batch.cut_by_budget;
+        self.largest_read = self.largest_read.max(batch.largest_read);
         Ok(true)
     }
 
@@ -1661,9 +1726,17 @@ impl Claim {
         Ok(())
     }
 
-    /// Hands a connection whose transaction ended cleanly back to the pool.
+    /// Hands a connection whose transaction ended cleanly back to the pool,
+    /// unless it read a row larger than [`RETAINED_READ_MAX`]: its read
+    /// buffer grew to hold that row and would stay that large in the pool,
+    /// uncounted by the byte budget, so it is closed instead.
     fn release(&mut self) {
-        drop(self.conn.take());
+        let conn = self.conn.take();
+        if self.largest_read > RETAINED_READ_MAX
+            && let Some(conn) = conn.and_then(Arc::into_inner)
+        {
+            drop(Object::take(conn));
+        }
     }
 }
 

@@ -7,7 +7,6 @@
 
 use std::error::Error;
 
-use bytes::Bytes;
 use time::{OffsetDateTime, PrimitiveDateTime};
 use tokio_postgres::types::{FromSql, Type};
 
@@ -42,7 +41,7 @@ const NEEDED: [Needed; 6] = [
     },
     Needed {
         name: "payload",
-        accepts: <Body as FromSql>::accepts,
+        accepts: <Raw as FromSql>::accepts,
         wants: "text, varchar, json or jsonb, sent as that text",
         fix: "text USING convert_from(payload, 'UTF8')",
     },
@@ -152,14 +151,15 @@ pub fn check_row(table: &str, row: &tokio_postgres::Row) -> Result<(), Drift> {
     )
 }
 
-/// A payload as the application wrote it: the text of a `text`, `varchar`,
-/// `json` or `jsonb` column, as `payload::text` would give it.
-pub struct Body(pub Bytes);
+/// A payload (or headers) as the application wrote it, borrowed from the
+/// row: the text of a `text`, `varchar`, `json` or `jsonb` column, as
+/// `payload::text` would give it (`jsonb` comes as a version byte and its
+/// text).
+pub struct Raw<'a>(pub &'a [u8]);
 
-impl<'a> FromSql<'a> for Body {
-    fn from_sql(ty: &Type, raw: &'a [u8]) -> Result<Body, Box<dyn Error + Sync + Send>> {
+impl<'a> FromSql<'a> for Raw<'a> {
+    fn from_sql(ty: &Type, raw: &'a [u8]) -> Result<Raw<'a>, Box<dyn Error + Sync + Send>> {
         let text = if *ty == Type::JSONB {
-            // jsonb's binary form: a version byte, then its text.
             match raw.split_first() {
                 Some((1, text)) => text,
                 _ => return Err("unsupported jsonb encoding version".into()),
@@ -168,7 +168,7 @@ impl<'a> FromSql<'a> for Body {
             raw
         };
         std::str::from_utf8(text)?;
-        Ok(Body(Bytes::copy_from_slice(text)))
+        Ok(Raw(text))
     }
 
     fn accepts(ty: &Type) -> bool {
@@ -291,7 +291,7 @@ mod tests {
 
     #[test]
     fn bodies_are_the_columns_text() {
-        let body = |ty: Type, raw: &[u8]| Body::from_sql(&ty, raw).map(|b| b.0);
+        let body = |ty: Type, raw: &[u8]| Raw::from_sql(&ty, raw).map(|b| b.0.to_vec());
         assert_eq!(body(Type::TEXT, b"{\"a\":1}").unwrap(), &b"{\"a\":1}"[..]);
         assert_eq!(body(Type::JSON, b"{\"a\": 1}").unwrap(), &b"{\"a\": 1}"[..]);
         assert_eq!(

@@ -19,9 +19,10 @@
 -- 255 bytes or a subject_id or headers over $5 comes back as NULL beside its
 -- length (`octet_length` of a stored text value does not even fetch it), and
 -- the row is refused. An `occurred_at` no message can carry (infinite, or a
--- year outside 1-9999) comes back as NULL too. Each row's cost (its payload
--- twice: the relay's copy and the AMQP client's frames; its other fields;
--- 1 KiB) is summed in outbox order, and the batch stops where the sum would
+-- year outside 1-9999) comes back as NULL too. Each row's cost is what it
+-- holds at most while in flight (the factors are explained in src/budget.rs:
+-- its payload three times, its headers eighteen, its subject_id three; its
+-- kind; 1 KiB) and is summed in outbox order, and the batch stops where the sum would
 -- pass $4: the next row comes back without its payload and with `within`
 -- false, to say that the batch was cut short by the budget (it is not part of
 -- the batch, and the tenant is swept again at once). The first row
@@ -51,9 +52,9 @@ WITH batch AS (
     SELECT *,
            1024
            + CASE WHEN kind_bytes <= 255 THEN kind_bytes ELSE 0 END
-           + CASE WHEN subject_id_bytes <= $5::bigint THEN subject_id_bytes ELSE 0 END
-           + CASE WHEN headers_bytes <= $5::bigint THEN headers_bytes ELSE 0 END
-           + CASE WHEN payload_bytes <= $3::bigint THEN 2 * payload_bytes::bigint ELSE 0 END
+           + CASE WHEN subject_id_bytes <= $5::bigint THEN 3 * subject_id_bytes ELSE 0 END
+           + CASE WHEN headers_bytes <= $5::bigint THEN 18 * headers_bytes::bigint ELSE 0 END
+           + CASE WHEN payload_bytes <= $3::bigint THEN 3 * payload_bytes::bigint ELSE 0 END
            AS cost
     FROM batch
 ), running AS (

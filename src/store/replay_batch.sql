@@ -25,9 +25,9 @@ WITH page AS (
     SELECT *,
            1024
            + CASE WHEN kind_bytes <= 255 THEN kind_bytes ELSE 0 END
-           + CASE WHEN subject_id_bytes <= $5::bigint THEN subject_id_bytes ELSE 0 END
-           + CASE WHEN headers_bytes <= $5::bigint THEN headers_bytes ELSE 0 END
-           + CASE WHEN payload_bytes <= $3::bigint THEN 2 * payload_bytes::bigint ELSE 0 END
+           + CASE WHEN subject_id_bytes <= $5::bigint THEN 3 * subject_id_bytes ELSE 0 END
+           + CASE WHEN headers_bytes <= $5::bigint THEN 18 * headers_bytes::bigint ELSE 0 END
+           + CASE WHEN payload_bytes <= $3::bigint THEN 3 * payload_bytes::bigint ELSE 0 END
            AS cost
     FROM page
 ), running AS (

@@ -1,17 +1,25 @@
 //! The byte budget (`max_bytes_in_flight`): a batch stops at the sweep's share
 //! of it and the tenant goes on at once; a row larger than a share is read on
 //! its own once the budget holds it, and goes out whole, in order; a payload
-//! over `max_payload_bytes` is refused without being read. (Peak memory is
-//! measured by the benchmark, not asserted here.)
+//! over `max_payload_bytes` is refused without being read. The relay binary
+//! with its defaults relays the heaviest rows it accepts within the memory
+//! the manifests give it (peak RSS read from `/proc`).
 
 use std::collections::HashSet;
 use std::time::Duration;
 
-use outbox_relay::budget::least_for;
+use lapin::types::{AMQPValue, FieldTable};
 
-use crate::support::{Broker, Outbox, by_tenant, config, eventually, metric, start_relay};
+use crate::support::{
+    Broker, Outbox, by_tenant, config, eventually, metric, relay_env, spawn_relay, start_relay,
+};
 
 const KIB: usize = 1024;
+
+/// A budget of 1 MiB shares (over 4 sweeps). Below what configuration
+/// allows (that must hold a row with the longest headers, which these rows
+/// have none of), so that rows of at most 1 MiB can be larger than a share.
+const SMALL_BUDGET: usize = 4096 * KIB;
 
 /// A payload of `bytes` that says which row it is at its start.
 fn payload(tenant: &str, n: usize, bytes: usize) -> String {
@@ -25,7 +33,7 @@ async fn batches_stop_at_the_budget_and_rows_larger_than_a_share_go_out_whole_in
     let broker = Broker::create(&["#"]).await;
     let mut config = config(&outbox, &broker, &["large", "many", "huge"]);
     config.max_payload_bytes = 1024 * KIB;
-    config.max_bytes_in_flight = least_for(config.max_payload_bytes);
+    config.max_bytes_in_flight = SMALL_BUDGET;
     config.concurrency = 4;
     config.pool_size = 6;
     // Only the first poll finds the tenants: a batch cut short by the budget
@@ -33,7 +41,7 @@ async fn batches_stop_at_the_budget_and_rows_larger_than_a_share_go_out_whole_in
     config.poll_ms = 60_000;
     config.max_backoff_ms = 60_000;
 
-    // Each costs about 1.8 MiB, over a sweep's share (about 1 MiB).
+    // Each costs about 2.7 MiB, over a sweep's share (1 MiB).
     let mut large = Vec::new();
     for n in 0..4 {
         let body = payload("large", n, 900 * KIB);
@@ -42,7 +50,7 @@ async fn batches_stop_at_the_budget_and_rows_larger_than_a_share_go_out_whole_in
             body,
         ));
     }
-    // About 81 KiB each: a dozen to a share, so 200 take many batches.
+    // About 121 KiB each: 8 to a share, so 200 take many batches.
     let mut many = Vec::new();
     for n in 0..200 {
         let body = payload("many", n, 40 * KIB);
@@ -128,12 +136,12 @@ async fn a_large_row_at_the_head_of_the_batch_read_ahead_goes_out_whole_in_order
     let broker = Broker::create(&["#"]).await;
     let mut config = config(&outbox, &broker, &["mixed"]);
     config.max_payload_bytes = 1024 * KIB;
-    config.max_bytes_in_flight = least_for(config.max_payload_bytes);
+    config.max_bytes_in_flight = SMALL_BUDGET;
     config.batch_size = 10;
     config.max_in_flight = 10;
     config.poll_ms = 60_000;
-    // Small rows fill batches of 10 within a share (about 1 MiB); the large
-    // one (about 1.8 MiB to hold) heads the third batch.
+    // Small rows fill batches of 10 within a share (1 MiB); the large one
+    // (about 2.7 MiB to hold) heads the third batch.
     let mut rows = Vec::new();
     for n in 0..35 {
         let bytes = if n == 20 { 900 * KIB } else { KIB };
@@ -167,6 +175,83 @@ async fn a_large_row_at_the_head_of_the_batch_read_ahead_goes_out_whole_in_order
         metric(&metrics, "outbox_published_total{tenant=\"mixed\"}"),
         Some(rows.len() as f64),
         "each row counted once:\n{metrics}"
+    );
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+/// What the release binary with the default configuration may peak at
+/// (VmHWM: allocator retention included): the manifests allow 128 MiB.
+const PEAK_RSS_LIMIT_MIB: u64 = 120;
+
+/// The peak RSS (VmHWM) of a running process, in MiB.
+fn peak_rss_mib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))
+        .and_then(|value| value.split_whitespace().next()?.parse().ok())
+        .expect("VmHWM in /proc status");
+    kib / 1024
+}
+
+/// The relay binary, with nothing but its defaults (and the test's table,
+/// exchange and port), relays rows as heavy as it accepts, across tenants at
+/// once, within the memory the manifests give it: per tenant, header-heavy
+/// rows (4,000 small keys, about 80 KB of JSON), rows with the densest
+/// header table that fits RabbitMQ's default frame_max (15,500 keys of about
+/// 9 bytes each on the wire), and rows of 15.9 MiB, interleaved. Every row
+/// arrives, none is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_with_defaults_relays_the_heaviest_rows_within_its_memory_limit() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&[]).await;
+    // The messages are dropped as they arrive (the broker still confirms
+    // them): neither this test nor the broker holds 250 MiB of bodies.
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-max-length".into(), AMQPValue::LongInt(1));
+    broker.side_queue("#", arguments).await;
+    let tenants = ["m0", "m1", "m2", "m3"];
+    for tenant in tenants {
+        outbox
+            .execute(&format!(
+                "INSERT INTO {{outbox}} (tenant_id, kind, subject_id, payload, headers)
+                 SELECT '{tenant}', 'k', 's' || g, p, h
+                 FROM generate_series(1, 2) r, generate_series(1, 15) g,
+                      LATERAL (SELECT CASE WHEN g % 5 = 0
+                          THEN (SELECT jsonb_object_agg('h' || k, true)
+                                FROM generate_series(1, 15500) k)
+                          ELSE (SELECT jsonb_object_agg('key' || lpad(k::text, 5, '0'), 'v' || k)
+                                FROM generate_series(1, 4000) k) END AS h,
+                          CASE WHEN g = 15 THEN repeat('y', 16672358) ELSE '{{}}' END AS p) c
+                 ORDER BY r, g"
+            ))
+            .await;
+    }
+    let rows: i64 = tenants.len() as i64 * 30;
+
+    let (mut relay, _) = spawn_relay(&relay_env(&outbox, &broker, &tenants)).await;
+    eventually(
+        "every row is published",
+        Duration::from_secs(240),
+        || async { outbox.pending_of(&tenants).await == 0 },
+    )
+    .await;
+    let peak = peak_rss_mib(relay.child.id());
+    eprintln!("peak RSS of the relay binary: {peak} MiB");
+    relay.signal("TERM");
+    assert_eq!(relay.wait(Duration::from_secs(30)).await, Some(0));
+    for tenant in tenants {
+        assert_eq!(outbox.blamed(tenant).await, 0, "{tenant}: no row refused");
+    }
+    assert_eq!(
+        outbox.published_ids().await.len() as i64,
+        rows,
+        "every row published"
+    );
+    assert!(
+        peak <= PEAK_RSS_LIMIT_MIB,
+        "peak RSS {peak} MiB, over {PEAK_RSS_LIMIT_MIB} MiB"
     );
     broker.delete().await;
     outbox.drop_schema().await;

@@ -40,7 +40,7 @@ async fn rows_no_message_can_carry_are_refused_as_invalid_and_others_go_on() {
         (
             "subject",
             "subject_id = repeat('s', 2000000)",
-            "subject_id is 2000000 bytes, over 1048576",
+            "subject_id is 2000000 bytes, over 524288",
         ),
     ];
     let mut blocked = Vec::new();
