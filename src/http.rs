@@ -102,8 +102,11 @@ pub async fn serve(
     ));
     let epoch = tokio::time::Instant::now();
     let mut connections = JoinSet::new();
-    let mut open: HashMap<tokio::task::Id, (Arc<Activity>, AbortHandle)> = HashMap::new();
-    // Connections closed at the cap (refused or evicted) since it was last
+    let mut open: HashMap<tokio::task::Id, Open> = HashMap::new();
+    // A connection accepted at the cap, admitted once the one closed for it
+    // is gone (so the open sockets never pass the cap by more than it).
+    let mut waiting: Option<(TcpStream, SocketAddr)> = None;
+    // Connections closed at the cap (evicted or refused) since it was last
     // logged, and when.
     let mut closed_at_cap: u64 = 0;
     let mut warned: Option<tokio::time::Instant> = None;
@@ -114,27 +117,29 @@ pub async fn serve(
             Some(ended) = connections.join_next_with_id(), if !connections.is_empty() => {
                 let id = ended.map_or_else(|error| error.id(), |(id, ())| id);
                 open.remove(&id);
+                if open.len() < limits.connections
+                    && let Some((stream, peer)) = waiting.take()
+                {
+                    admit(&mut connections, &mut open, stream, peer, &app, limits, epoch);
+                }
             }
-            accepted = listener.accept() => match accepted {
+            accepted = listener.accept(), if waiting.is_none() => match accepted {
+                Ok((stream, peer)) if open.len() < limits.connections => {
+                    admit(&mut connections, &mut open, stream, peer, &app, limits, epoch);
+                }
                 Ok((stream, peer)) => {
-                    let at_cap = open.len() >= limits.connections;
-                    if at_cap {
-                        closed_at_cap += 1;
-                        if warned.is_none_or(|at| at.elapsed() >= CAP_WARNING_EVERY) {
-                            tracing::warn!(
-                                limit = limits.connections,
-                                closed = closed_at_cap,
-                                "HTTP connection cap reached: closing the connections idle longest to admit new ones (new ones while every one is in a request)"
-                            );
-                            warned = Some(tokio::time::Instant::now());
-                            closed_at_cap = 0;
-                        }
+                    closed_at_cap += 1;
+                    if warned.is_none_or(|at| at.elapsed() >= CAP_WARNING_EVERY) {
+                        tracing::warn!(
+                            limit = limits.connections,
+                            closed = closed_at_cap,
+                            "HTTP connection cap reached: closing the connections idle longest to admit new ones (new ones while every one is in a request)"
+                        );
+                        warned = Some(tokio::time::Instant::now());
+                        closed_at_cap = 0;
                     }
-                    if !at_cap || evict_longest_idle(&mut open) {
-                        let activity = Arc::new(Activity::new(epoch));
-                        let conn = connection(stream, peer, &app, limits, activity.clone());
-                        let handle = connections.spawn(conn);
-                        open.insert(handle.id(), (activity, handle));
+                    if evict_longest_idle(&mut open) {
+                        waiting = Some((stream, peer));
                     } else {
                         drop(stream);
                     }
@@ -150,31 +155,62 @@ pub async fn serve(
         }
     }
     drop(listener);
+    drop(waiting);
     // Idle, half-sent or answering: none of them may delay the exit.
     connections.shutdown().await;
 }
 
+/// An open connection, as [`serve`] keeps track of it.
+struct Open {
+    activity: Arc<Activity>,
+    handle: AbortHandle,
+    /// Closed to admit another; gone once its task ends.
+    evicted: bool,
+}
+
+/// Serves `stream` on a task of its own.
+fn admit(
+    connections: &mut JoinSet<()>,
+    open: &mut HashMap<tokio::task::Id, Open>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    app: &Router,
+    limits: Limits,
+    epoch: tokio::time::Instant,
+) {
+    let activity = Arc::new(Activity::new(epoch));
+    let handle = connections.spawn(connection(stream, peer, app, limits, activity.clone()));
+    open.insert(
+        handle.id(),
+        Open {
+            activity,
+            handle,
+            evicted: false,
+        },
+    );
+}
+
 /// Closes the open connection that has gone longest without a request in
 /// progress; `false` when every one is in a request.
-fn evict_longest_idle(open: &mut HashMap<tokio::task::Id, (Arc<Activity>, AbortHandle)>) -> bool {
+fn evict_longest_idle(open: &mut HashMap<tokio::task::Id, Open>) -> bool {
     let longest = open
-        .iter()
-        .filter_map(|(id, (activity, _))| Some((activity.idle_since()?, *id)))
-        .min();
-    let Some((_, id)) = longest else {
+        .values_mut()
+        .filter(|conn| !conn.evicted)
+        .filter_map(|conn| Some((conn.activity.idle_since()?, conn)))
+        .min_by_key(|(idle_since, _)| *idle_since);
+    let Some((_, conn)) = longest else {
         return false;
     };
-    if let Some((_, handle)) = open.remove(&id) {
-        // Dropping the connection's task closes its socket.
-        handle.abort();
-    }
+    // Dropping the connection's task closes its socket.
+    conn.handle.abort();
+    conn.evicted = true;
     true
 }
 
 /// Whether a connection is in a request, and since when it is not.
 struct Activity {
     epoch: tokio::time::Instant,
-    /// Milliseconds from `epoch` to when the connection last became idle
+    /// Nanoseconds from `epoch` to when the connection last became idle
     /// (accepted, or its last response given); [`Activity::BUSY`] while a
     /// request is in progress.
     idle_since: AtomicU64,
@@ -193,13 +229,13 @@ impl Activity {
     }
 
     fn idle(&self) {
-        let ms = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(Activity::BUSY - 1);
-        self.idle_since.store(ms, Ordering::Relaxed);
+        let nanos = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(Activity::BUSY - 1);
+        self.idle_since.store(nanos, Ordering::Relaxed);
     }
 
     /// When the connection became idle; none while it is in a request.
     fn idle_since(&self) -> Option<u64> {
-        Some(self.idle_since.load(Ordering::Relaxed)).filter(|ms| *ms != Activity::BUSY)
+        Some(self.idle_since.load(Ordering::Relaxed)).filter(|at| *at != Activity::BUSY)
     }
 
     /// Marks a request in progress until the guard is dropped.
