@@ -518,17 +518,23 @@ async fn metrics(
     }
 }
 
-/// One round of rendering: the body, or none if the render failed.
-type Render = Shared<BoxFuture<'static, Option<Bytes>>>;
+/// How long after a render started its body still answers a scrape: two
+/// scrapers back to back then cost at most a few renders a second, not one
+/// after another. Well within the contract's 1 s.
+pub const SCRAPE_REUSE: Duration = Duration::from_millis(250);
+
+/// One round of rendering: when it started, and the body (none if the
+/// render failed).
+type Render = (tokio::time::Instant, Shared<BoxFuture<'static, Option<Bytes>>>);
 
 /// The `/metrics` renders, off the sweeping thread and coalesced. With
 /// 10,000 tenants a render is milliseconds of CPU and a megabyte of text:
 /// it runs on a blocking thread (the relay sweeps on one thread, which a
 /// render must not hold), one at a time per encoding, and a scrape that
-/// arrives while one runs shares it, as `/healthz` callers share a lag
-/// query. Nothing is cached: a body is never older than the scrape by more
-/// than one render, and however many scrapers ask at once, the relay
-/// renders at most two bodies (text and gzip) at a time.
+/// arrives while one runs, or within [`SCRAPE_REUSE`] of its start, shares
+/// it. A body is never older than its scrape by more than that (plus the
+/// render), and however many scrapers ask, the relay renders at most two
+/// bodies (text and gzip) at a time, a few a second.
 #[derive(Default)]
 struct Renders {
     text: Mutex<Option<Render>>,
@@ -541,9 +547,14 @@ impl Renders {
         let round = {
             let mut current = current.lock().unwrap_or_else(PoisonError::into_inner);
             match current.as_ref() {
-                Some(round) if round.peek().is_none() => round.clone(),
+                Some((started, round))
+                    if round.peek().is_none() || started.elapsed() <= SCRAPE_REUSE =>
+                {
+                    round.clone()
+                }
                 _ => {
                     let metrics = metrics.clone();
+                    let started = tokio::time::Instant::now();
                     let task = tokio::task::spawn_blocking(move || {
                         if gzip {
                             Bytes::from(metrics.render_gzip())
@@ -560,7 +571,7 @@ impl Renders {
                     }
                     .boxed()
                     .shared();
-                    *current = Some(round.clone());
+                    *current = Some((started, round.clone()));
                     round
                 }
             }
