@@ -525,7 +525,10 @@ pub const SCRAPE_REUSE: Duration = Duration::from_millis(250);
 
 /// One round of rendering: when it started, and the body (none if the
 /// render failed).
-type Render = (tokio::time::Instant, Shared<BoxFuture<'static, Option<Bytes>>>);
+type Render = (
+    tokio::time::Instant,
+    Shared<BoxFuture<'static, Option<Bytes>>>,
+);
 
 /// The `/metrics` renders, off the sweeping thread and coalesced. With
 /// 10,000 tenants a render is milliseconds of CPU and a megabyte of text:

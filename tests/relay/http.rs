@@ -322,7 +322,10 @@ fn published(text: &str) -> BTreeMap<String, f64> {
         .filter_map(|line| {
             let rest = line.strip_prefix("outbox_published_total{tenant=\"")?;
             let (tenant, value) = rest.rsplit_once("\"} ")?;
-            Some((tenant.replace("\\\"", "\"").replace("\\\\", "\\"), value.parse().ok()?))
+            Some((
+                tenant.replace("\\\"", "\"").replace("\\\\", "\\"),
+                value.parse().ok()?,
+            ))
         })
         .collect()
 }
@@ -353,18 +356,23 @@ async fn a_scrape_of_many_tenants_is_right_and_fresh() {
     })
     .await;
     // Marked, then counted: by the deadline every count shows.
-    let mut counts = BTreeMap::new();
+    let addr = relay.addr;
+    let last = std::sync::Mutex::new(BTreeMap::new());
+    let last_ref = &last;
     eventually(
         "every tenant's count shows",
         Duration::from_secs(5),
-        || async {
-            let (gzip, text) = scrape_gzip(relay.addr).await;
+        || async move {
+            let (gzip, text) = scrape_gzip(addr).await;
             assert!(gzip, "gzip when asked");
-            counts = published(&text);
-            counts.len() == 1000 + odd.len()
+            let counts = published(&text);
+            let complete = counts.len() == 1000 + odd.len();
+            *last_ref.lock().unwrap() = counts;
+            complete
         },
     )
     .await;
+    let counts = last.into_inner().unwrap();
     assert!(counts.values().all(|n| *n == 2.0), "{counts:?}");
     for tenant in odd {
         assert_eq!(counts.get(tenant), Some(&2.0), "{tenant}: {counts:?}");
