@@ -518,26 +518,33 @@ async fn metrics(
     }
 }
 
-/// How long after a render started its body still answers a scrape: two
-/// scrapers back to back then cost at most a few renders a second, not one
-/// after another. Well within the contract's 1 s.
-pub const SCRAPE_REUSE: Duration = Duration::from_millis(250);
+/// The longest a render's body answers the scrapes that come after it:
+/// well within the contract's 1 s.
+pub const SCRAPE_REUSE_MAX: Duration = Duration::from_millis(250);
 
-/// One round of rendering: when it started, and the body (none if the
-/// render failed).
+/// A render's body answers the scrapes within this many times its own
+/// duration of its start (at most [`SCRAPE_REUSE_MAX`]): scrapers back to
+/// back then spend at most about a tenth of a core rendering, and a small
+/// relay's body (well under a millisecond to render) is reused for a few
+/// milliseconds at most.
+const SCRAPE_REUSE_RENDERS: u32 = 10;
+
+/// One round of rendering: when it started, and the body with how long it
+/// took (none if the render failed).
 type Render = (
     tokio::time::Instant,
-    Shared<BoxFuture<'static, Option<Bytes>>>,
+    Shared<BoxFuture<'static, Option<(Bytes, Duration)>>>,
 );
 
 /// The `/metrics` renders, off the sweeping thread and coalesced. With
 /// 10,000 tenants a render is milliseconds of CPU and a megabyte of text:
 /// it runs on a blocking thread (the relay sweeps on one thread, which a
-/// render must not hold), one at a time per encoding, and a scrape that
-/// arrives while one runs, or within [`SCRAPE_REUSE`] of its start, shares
-/// it. A body is never older than its scrape by more than that (plus the
-/// render), and however many scrapers ask, the relay renders at most two
-/// bodies (text and gzip) at a time, a few a second.
+/// render must not hold), one at a time per encoding; a scrape that arrives
+/// while one runs shares it, and so does one that arrives shortly after
+/// (see [`SCRAPE_REUSE_RENDERS`]). A body is never older than its scrape by
+/// more than [`SCRAPE_REUSE_MAX`] plus one render, and however many
+/// scrapers ask, the relay renders at most two bodies (text and gzip) at a
+/// time.
 #[derive(Default)]
 struct Renders {
     text: Mutex<Option<Render>>,
@@ -550,20 +557,17 @@ impl Renders {
         let round = {
             let mut current = current.lock().unwrap_or_else(PoisonError::into_inner);
             match current.as_ref() {
-                Some((started, round))
-                    if round.peek().is_none() || started.elapsed() <= SCRAPE_REUSE =>
-                {
-                    round.clone()
-                }
+                Some((started, round)) if Renders::shared(*started, round.peek()) => round.clone(),
                 _ => {
                     let metrics = metrics.clone();
-                    let started = tokio::time::Instant::now();
                     let task = tokio::task::spawn_blocking(move || {
-                        if gzip {
+                        let started = std::time::Instant::now();
+                        let body = if gzip {
                             Bytes::from(metrics.render_gzip())
                         } else {
                             Bytes::from(metrics.render())
-                        }
+                        };
+                        (body, started.elapsed())
                     });
                     let round = async move {
                         task.await
@@ -574,12 +578,27 @@ impl Renders {
                     }
                     .boxed()
                     .shared();
-                    *current = Some((started, round.clone()));
+                    *current = Some((tokio::time::Instant::now(), round.clone()));
                     round
                 }
             }
         };
-        round.await
+        round.await.map(|(body, _)| body)
+    }
+
+    /// Whether a scrape now shares the round that started at `started`:
+    /// it is still running, or ended and is recent for what it cost.
+    fn shared(started: tokio::time::Instant, ended: Option<&Option<(Bytes, Duration)>>) -> bool {
+        match ended {
+            None => true,
+            Some(Some((_, took))) => {
+                started.elapsed()
+                    <= took
+                        .saturating_mul(SCRAPE_REUSE_RENDERS)
+                        .min(SCRAPE_REUSE_MAX)
+            }
+            Some(None) => false,
+        }
     }
 }
 
@@ -650,6 +669,30 @@ mod tests {
             .expect("the server closes the connection")
             .unwrap();
         String::from_utf8_lossy(&response).into_owned()
+    }
+
+    #[test]
+    fn a_render_is_shared_while_it_runs_and_briefly_after_for_what_it_cost() {
+        let ago = |ms: u64| {
+            tokio::time::Instant::now()
+                .checked_sub(Duration::from_millis(ms))
+                .unwrap()
+        };
+        let body = |ms: u64| Some((Bytes::new(), Duration::from_millis(ms)));
+        assert!(Renders::shared(ago(0), None), "running: shared");
+        assert!(
+            Renders::shared(ago(15), Some(&body(2))),
+            "within 10 renders"
+        );
+        assert!(!Renders::shared(ago(15), Some(&body(1))), "past 10 renders");
+        assert!(
+            !Renders::shared(ago(0), Some(&None)),
+            "a failed render is not"
+        );
+        assert!(
+            !Renders::shared(ago(251), Some(&body(1_000))),
+            "never past SCRAPE_REUSE_MAX"
+        );
     }
 
     #[test]

@@ -248,12 +248,15 @@ async fn probes_answer_within_1s_while_one_peer_floods_past_the_cap() {
     let opened = Arc::new(AtomicUsize::new(0));
     let flooders = flood(addr, CONNECTION_CAP + 64, stop.clone(), opened.clone());
     eventually(
-        "the flood passes the cap",
-        Duration::from_secs(20),
-        || async {
-            opened.load(Ordering::Relaxed) > CONNECTION_CAP + 64
-                && relay.output().contains("HTTP connection cap reached")
-        },
+        "the flood's connections are all open",
+        Duration::from_secs(30),
+        || async { opened.load(Ordering::Relaxed) > CONNECTION_CAP + 64 },
+    )
+    .await;
+    eventually(
+        "the relay holds the cap's worth of the flood's connections",
+        Duration::from_secs(60),
+        || async { relay.output().contains("HTTP connection cap reached") },
     )
     .await;
 
