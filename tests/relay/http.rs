@@ -194,41 +194,50 @@ async fn at_the_cap_the_connection_idle_longest_makes_way_and_fds_stay_bounded()
     outbox.drop_schema().await;
 }
 
-/// Holds `n` idle connections to `addr` (connected, nothing sent), each
-/// opened again as soon as the relay closes it, until `stop` is set.
-fn flood(
+/// Holds `n` idle connections to `addr` (connected, nothing sent; opened
+/// one after another at first, not as one burst of SYNs), each opened again
+/// as soon as the relay closes it, until `stop` is set.
+async fn flood(
     addr: SocketAddr,
     n: usize,
     stop: Arc<AtomicBool>,
     opened: Arc<AtomicUsize>,
 ) -> Vec<tokio::task::JoinHandle<()>> {
-    (0..n)
-        .map(|_| {
-            let (stop, opened) = (stop.clone(), opened.clone());
-            tokio::spawn(async move {
-                while !stop.load(Ordering::Relaxed) {
-                    let Ok(mut stream) = TcpStream::connect(addr).await else {
-                        continue;
-                    };
-                    opened.fetch_add(1, Ordering::Relaxed);
-                    // Held until the relay closes it (or the flood ends).
-                    let mut sink = [0u8; 64];
-                    loop {
-                        let read = tokio::time::timeout(
-                            Duration::from_millis(200),
-                            stream.read(&mut sink),
-                        );
-                        match read.await {
-                            Ok(Ok(0) | Err(_)) => break,
-                            Ok(Ok(_)) => {}
-                            Err(_) if stop.load(Ordering::Relaxed) => return,
-                            Err(_) => {}
-                        }
+    let mut flooders = Vec::with_capacity(n);
+    for _ in 0..n {
+        let first = TcpStream::connect(addr).await.expect("connect");
+        opened.fetch_add(1, Ordering::Relaxed);
+        let (stop, opened) = (stop.clone(), opened.clone());
+        flooders.push(tokio::spawn(async move {
+            let mut stream = first;
+            loop {
+                // Held until the relay closes it (or the flood ends).
+                let mut sink = [0u8; 64];
+                loop {
+                    let read =
+                        tokio::time::timeout(Duration::from_millis(200), stream.read(&mut sink));
+                    match read.await {
+                        Ok(Ok(0) | Err(_)) => break,
+                        Ok(Ok(_)) => {}
+                        Err(_) if stop.load(Ordering::Relaxed) => return,
+                        Err(_) => {}
                     }
                 }
-            })
-        })
-        .collect()
+                // Opened again at once (a failed attempt is retried shortly).
+                stream = loop {
+                    if stop.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    match TcpStream::connect(addr).await {
+                        Ok(stream) => break stream,
+                        Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+                    }
+                };
+                opened.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    flooders
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -246,13 +255,7 @@ async fn probes_answer_within_1s_while_one_peer_floods_past_the_cap() {
     // opened again as fast as the relay closes them.
     let stop = Arc::new(AtomicBool::new(false));
     let opened = Arc::new(AtomicUsize::new(0));
-    let flooders = flood(addr, CONNECTION_CAP + 64, stop.clone(), opened.clone());
-    eventually(
-        "the flood's connections are all open",
-        Duration::from_secs(30),
-        || async { opened.load(Ordering::Relaxed) > CONNECTION_CAP + 64 },
-    )
-    .await;
+    let flooders = flood(addr, CONNECTION_CAP + 64, stop.clone(), opened.clone()).await;
     eventually(
         "the relay holds the cap's worth of the flood's connections",
         Duration::from_secs(60),
