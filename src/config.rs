@@ -86,7 +86,8 @@ keys! {
     /// Exchange type: direct, fanout, topic, headers or x-…
     exchange_type: String ["TYPE"] = "topic".to_string(), Parse(exchange_type);
     /// Declare the exchange (durable) on connect
-    declare_exchange: bool ["BOOL"] = true, Flag;
+    declare_exchange: bool ["BOOL"] = true, Flag,
+        check |declare: &bool| declarable(*declare, &exchange, &exchange_type);
     /// Routing key template: {tenant}, {kind}, {subject}
     routing_key: RoutingKey ["TEMPLATE"] = default_routing_key(), parsed(),
         check |key: &RoutingKey| every_tenant_fits(key, tenants.listed());
@@ -96,9 +97,11 @@ keys! {
     message_id: MessageIdTemplate ["TEMPLATE"] = default_message_id(), parsed(),
         check |id: &MessageIdTemplate| id.bind(&schema, &table).map(drop);
     /// Delete rows published longer ago than this, ms (0 = keep them)
-    retention_ms: u64 ["MS"] = 0, int(0, NO_MAX);
+    retention_ms: u64 ["MS"] = 0, int(0, NO_MAX),
+        check |ms: &u64| retention_fits(*ms);
     /// A confirm not seen in this long is a refusal, ms
-    confirm_timeout_ms: u64 ["MS"] = 10_000, int(1, NO_MAX);
+    confirm_timeout_ms: u64 ["MS"] = 10_000, int(1, NO_MAX),
+        check |ms: &u64| claim_bound_fits(*ms);
     /// Larger payloads are refused as too_large
     max_payload_bytes: usize ["BYTES"] = 16_777_216, int(1, i64::from(u32::MAX));
     /// Park a row when its own refusal (too_large, invalid) reaches this many attempts; 0 = never
@@ -134,6 +137,76 @@ fn default_message_id() -> MessageIdTemplate {
 fn at_most(n: usize, other: &str, limit: usize) -> Result<(), String> {
     if n > limit {
         return Err(format!("must be from 1 to {other} ({limit})"));
+    }
+    Ok(())
+}
+
+/// PostgreSQL's largest `idle_in_transaction_session_timeout`, in ms (int4).
+const PG_TIMEOUT_MAX_MS: u64 = i32::MAX as u64;
+
+/// What the claim's idle bound adds to twice `confirm_timeout_ms`.
+const CLAIM_IDLE_MARGIN: Duration = Duration::from_secs(5);
+
+/// The longest `retention_ms`: 100 years. The database computes `now()`
+/// minus it, which past some 6,700 years is before its earliest timestamp
+/// and fails every round; a longer retention keeps rows just the same.
+const RETENTION_MAX_MS: u64 = 36_525 * 24 * 60 * 60 * 1_000;
+
+fn retention_fits(ms: u64) -> Result<(), String> {
+    if ms > RETENTION_MAX_MS {
+        return Err(format!(
+            "must be at most {RETENTION_MAX_MS} (100 years): retention deletes what ended before now() minus it, which the database cannot compute far back; 0 keeps rows for ever"
+        ));
+    }
+    Ok(())
+}
+
+/// The claim sets `idle_in_transaction_session_timeout` to twice
+/// `confirm_timeout_ms` plus 5 s ([`Config::claim_idle_timeout`]); past
+/// PostgreSQL's int4 every claim would fail.
+fn claim_bound_fits(confirm_timeout_ms: u64) -> Result<(), String> {
+    let margin = CLAIM_IDLE_MARGIN.as_millis() as u64;
+    let max = (PG_TIMEOUT_MAX_MS - margin) / 2;
+    if confirm_timeout_ms > max {
+        return Err(format!(
+            "must be at most {max}: the claim sets idle_in_transaction_session_timeout to 2 × confirm_timeout_ms + 5000 ms, which PostgreSQL caps at {PG_TIMEOUT_MAX_MS} ms"
+        ));
+    }
+    Ok(())
+}
+
+/// The exchanges every RabbitMQ has, with their types: declaring one of
+/// them again with its own type is a no-op.
+const PREDECLARED: &[(&str, &str)] = &[
+    ("amq.direct", "direct"),
+    ("amq.fanout", "fanout"),
+    ("amq.topic", "topic"),
+    ("amq.headers", "headers"),
+    ("amq.match", "headers"),
+];
+
+/// Whether the broker can ever accept the relay's declaration of
+/// `exchange`: not the default exchange (""), and no new name under the
+/// broker's reserved `amq.` prefix, nor a predeclared one of another type.
+fn declarable(declare: bool, exchange: &str, exchange_type: &str) -> Result<(), String> {
+    if !declare {
+        return Ok(());
+    }
+    if exchange.is_empty() {
+        return Err(
+            "exchange is \"\" (the default exchange), which the broker refuses to declare: set declare_exchange = false to publish to it (the routing key then names a queue), or name an exchange".into(),
+        );
+    }
+    if exchange.starts_with("amq.") {
+        return match PREDECLARED.iter().find(|(name, _)| *name == exchange) {
+            Some((_, kind)) if *kind == exchange_type => Ok(()),
+            Some((_, kind)) => Err(format!(
+                "exchange {exchange:?} is the broker's own, of type {kind}, but exchange_type is {exchange_type}: the declaration would be refused; set exchange_type = \"{kind}\" or declare_exchange = false"
+            )),
+            None => Err(format!(
+                "exchange {exchange:?} starts with amq., which the broker reserves: it refuses to declare it; set declare_exchange = false to publish to an existing one, or choose another name"
+            )),
+        };
     }
     Ok(())
 }
@@ -211,7 +284,7 @@ impl Config {
     pub fn claim_idle_timeout(&self) -> Duration {
         self.confirm_timeout()
             .saturating_mul(2)
-            .saturating_add(Duration::from_secs(5))
+            .saturating_add(CLAIM_IDLE_MARGIN)
     }
 
     pub fn shutdown_grace(&self) -> Duration {
@@ -1014,6 +1087,96 @@ mod tests {
         .unwrap()
         .config;
         assert_eq!(c.max_in_flight, 10, "max_in_flight defaults to batch_size");
+    }
+
+    #[test]
+    fn derived_settings_out_of_range_are_refused_naming_the_key() {
+        let base = ("OUTBOX_TENANTS", "a");
+        // The claim's idle_in_transaction_session_timeout is 2 × confirm + 5 s,
+        // an int4 of ms for PostgreSQL.
+        let e = error(None, &[base, ("OUTBOX_CONFIRM_TIMEOUT_MS", "1073739324")]);
+        assert!(
+            e.starts_with("confirm_timeout_ms = 1073739324 (environment variable OUTBOX_CONFIRM_TIMEOUT_MS): must be at most 1073739323")
+                && e.contains("idle_in_transaction_session_timeout"),
+            "{e}"
+        );
+        let c = load(
+            None,
+            &[base, ("OUTBOX_CONFIRM_TIMEOUT_MS", "1073739323")],
+            &[],
+        )
+        .unwrap()
+        .config;
+        assert_eq!(c.claim_idle_timeout().as_millis(), i32::MAX as u128 - 1);
+        // now() minus retention_ms must be a timestamp.
+        let e = error(None, &[base, ("OUTBOX_RETENTION_MS", "300000000000000")]);
+        assert!(
+            e.starts_with("retention_ms = 300000000000000 (environment variable OUTBOX_RETENTION_MS): must be at most 3155760000000"),
+            "{e}"
+        );
+        assert!(load(None, &[base, ("OUTBOX_RETENTION_MS", "3155760000000")], &[]).is_ok());
+        let e = error(
+            None,
+            &[
+                base,
+                ("OUTBOX_AMQP_URL", "amqp://u:pa55@mq/%2f?frame_max=512"),
+            ],
+        );
+        assert!(
+            e.starts_with("amqp_url = (not shown") && e.contains("frame_max=512"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn an_exchange_the_broker_refuses_to_declare_is_refused() {
+        let base = ("OUTBOX_TENANTS", "a");
+        let e = error(None, &[base, ("OUTBOX_EXCHANGE", "")]);
+        assert!(
+            e.starts_with("declare_exchange = true (built-in default): exchange is \"\" (the default exchange)"),
+            "{e}"
+        );
+        let c = load(
+            None,
+            &[
+                base,
+                ("OUTBOX_EXCHANGE", ""),
+                ("OUTBOX_DECLARE_EXCHANGE", "false"),
+            ],
+            &[],
+        )
+        .unwrap()
+        .config;
+        assert!(
+            c.exchange.is_empty() && !c.declare_exchange,
+            "published to as it is"
+        );
+        let e = error(
+            Some("tenants = [\"a\"]\nexchange = \"amq.orders\"\ndeclare_exchange = true"),
+            &[],
+        );
+        assert!(
+            e.starts_with("declare_exchange = true (config file") && e.contains("amq."),
+            "{e}"
+        );
+        let e = error(None, &[base, ("OUTBOX_EXCHANGE", "amq.direct")]);
+        assert!(
+            e.contains("of type direct") && e.contains("exchange_type is topic"),
+            "{e}"
+        );
+        assert!(load(None, &[base, ("OUTBOX_EXCHANGE", "amq.topic")], &[]).is_ok());
+        assert!(
+            load(
+                None,
+                &[
+                    base,
+                    ("OUTBOX_EXCHANGE", "amq.orders"),
+                    ("OUTBOX_DECLARE_EXCHANGE", "0")
+                ],
+                &[]
+            )
+            .is_ok()
+        );
     }
 
     #[test]

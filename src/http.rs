@@ -5,11 +5,14 @@
 //!
 //! No client can hold the server: [`serve`] reads a request's headers within
 //! [`Limits::header_read`], answers within [`Limits::request`], keeps at most
-//! [`Limits::connections`] connections open (one more is accepted and closed
-//! at once), and on shutdown closes every connection at once, idle, half-sent
-//! or in flight. `/healthz` callers share one lag query ([`LagRounds`]).
+//! [`Limits::connections`] connections open (at the cap, the one idle
+//! longest is closed to admit a new one, so a probe is answered whoever
+//! holds the others), and on shutdown closes every connection at once,
+//! idle, half-sent or in flight. `/healthz` callers share one lag query ([`LagRounds`]).
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -19,16 +22,18 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
+use bytes::Bytes;
 use futures_util::FutureExt;
 use futures_util::future::{BoxFuture, Shared};
 use hyper::server::conn::http1;
+use hyper::service::{Service as _, service_fn};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use serde::Serialize;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
+use tokio::task::{AbortHandle, JoinSet};
 
+use crate::metrics::Metrics;
 use crate::relay::Relay;
 use crate::store::TenantLag;
 
@@ -47,7 +52,9 @@ pub struct Limits {
     /// From a request's headers to its response; past it the answer is 503.
     /// `/healthz` answers within its own [`HEALTHZ_DEADLINE`].
     pub request: Duration,
-    /// Open connections at most; one past it is accepted and closed at once.
+    /// Open connections at most; past it, the one idle longest is closed to
+    /// admit a new one (a new one is closed at once while all are in a
+    /// request).
     pub connections: usize,
     /// The longest a connection stays open, whatever it does (a client that
     /// stops reading a response is cut off then).
@@ -68,11 +75,20 @@ impl Limits {
 /// connection the kernel keeps offering does not spin the loop.
 const ACCEPT_RETRY: Duration = Duration::from_millis(100);
 
-/// A flood at the cap is logged once per this period, with what it refused.
+/// A flood at the cap is logged once per this period, with how many
+/// connections it closed.
 const CAP_WARNING_EVERY: Duration = Duration::from_secs(60);
 
 /// Serves `app` on `listener` within `limits` until `stop` resolves, then
 /// closes every connection at once and returns.
+///
+/// At the cap, a new connection is not refused while another sits idle:
+/// the connection that has gone longest without a request in progress (an
+/// idle keep-alive, a half-sent request, one that never sent anything) is
+/// closed to admit it. Whoever holds the cap's worth of idle connections,
+/// from whatever address, a probe is admitted and answered; its own
+/// connection is the newest, the last to go. Only when every connection
+/// is in a request is a new one closed at once.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
@@ -83,39 +99,50 @@ pub async fn serve(
         limits.request,
         request_deadline,
     ));
-    let open = Arc::new(Semaphore::new(limits.connections));
+    let epoch = tokio::time::Instant::now();
     let mut connections = JoinSet::new();
-    // Connections closed at the cap since it was last logged, and when.
-    let mut refused: u64 = 0;
+    let mut open: HashMap<tokio::task::Id, Open> = HashMap::new();
+    // A connection accepted at the cap, admitted once the one closed for it
+    // is gone (so the open sockets never pass the cap by more than it).
+    let mut waiting: Option<(TcpStream, SocketAddr)> = None;
+    // Connections closed at the cap (evicted or refused) since it was last
+    // logged, and when.
+    let mut closed_at_cap: u64 = 0;
     let mut warned: Option<tokio::time::Instant> = None;
     tokio::pin!(stop);
     loop {
         tokio::select! {
             () = &mut stop => break,
-            Some(_) = connections.join_next(), if !connections.is_empty() => {}
-            accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => match open.clone().try_acquire_owned() {
-                    Ok(permit) => {
-                        let conn = connection(stream, peer, &app, limits);
-                        connections.spawn(async move {
-                            conn.await;
-                            drop(permit);
-                        });
+            Some(ended) = connections.join_next_with_id(), if !connections.is_empty() => {
+                let id = ended.map_or_else(|error| error.id(), |(id, ())| id);
+                open.remove(&id);
+                if open.len() < limits.connections
+                    && let Some((stream, peer)) = waiting.take()
+                {
+                    admit(&mut connections, &mut open, stream, peer, &app, limits, epoch);
+                }
+            }
+            accepted = listener.accept(), if waiting.is_none() => match accepted {
+                Ok((stream, peer)) if open.len() < limits.connections => {
+                    admit(&mut connections, &mut open, stream, peer, &app, limits, epoch);
+                }
+                Ok((stream, peer)) => {
+                    closed_at_cap += 1;
+                    if warned.is_none_or(|at| at.elapsed() >= CAP_WARNING_EVERY) {
+                        tracing::warn!(
+                            limit = limits.connections,
+                            closed = closed_at_cap,
+                            "HTTP connection cap reached: closing the connections idle longest to admit new ones (new ones while every one is in a request)"
+                        );
+                        warned = Some(tokio::time::Instant::now());
+                        closed_at_cap = 0;
                     }
-                    Err(_) => {
+                    if evict_longest_idle(&mut open) {
+                        waiting = Some((stream, peer));
+                    } else {
                         drop(stream);
-                        refused += 1;
-                        if warned.is_none_or(|at| at.elapsed() >= CAP_WARNING_EVERY) {
-                            tracing::warn!(
-                                limit = limits.connections,
-                                refused,
-                                "HTTP connection cap reached: closing new connections until one ends"
-                            );
-                            warned = Some(tokio::time::Instant::now());
-                            refused = 0;
-                        }
                     }
-                },
+                }
                 Err(error) => {
                     tracing::warn!(%error, "cannot accept an HTTP connection");
                     tokio::select! {
@@ -127,22 +154,128 @@ pub async fn serve(
         }
     }
     drop(listener);
+    drop(waiting);
     // Idle, half-sent or answering: none of them may delay the exit.
     connections.shutdown().await;
 }
 
+/// An open connection, as [`serve`] keeps track of it.
+struct Open {
+    activity: Arc<Activity>,
+    handle: AbortHandle,
+    /// Closed to admit another; gone once its task ends.
+    evicted: bool,
+}
+
+/// Serves `stream` on a task of its own.
+fn admit(
+    connections: &mut JoinSet<()>,
+    open: &mut HashMap<tokio::task::Id, Open>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    app: &Router,
+    limits: Limits,
+    epoch: tokio::time::Instant,
+) {
+    let activity = Arc::new(Activity::new(epoch));
+    let handle = connections.spawn(connection(stream, peer, app, limits, activity.clone()));
+    open.insert(
+        handle.id(),
+        Open {
+            activity,
+            handle,
+            evicted: false,
+        },
+    );
+}
+
+/// Closes the open connection that has gone longest without a request in
+/// progress; `false` when every one is in a request.
+fn evict_longest_idle(open: &mut HashMap<tokio::task::Id, Open>) -> bool {
+    let longest = open
+        .values_mut()
+        .filter(|conn| !conn.evicted)
+        .filter_map(|conn| Some((conn.activity.idle_since()?, conn)))
+        .min_by_key(|(idle_since, _)| *idle_since);
+    let Some((_, conn)) = longest else {
+        return false;
+    };
+    // Dropping the connection's task closes its socket.
+    conn.handle.abort();
+    conn.evicted = true;
+    true
+}
+
+/// Whether a connection is in a request, and since when it is not.
+struct Activity {
+    epoch: tokio::time::Instant,
+    /// Nanoseconds from `epoch` to when the connection last became idle
+    /// (accepted, or its last response given); [`Activity::BUSY`] while a
+    /// request is in progress.
+    idle_since: AtomicU64,
+}
+
+impl Activity {
+    const BUSY: u64 = u64::MAX;
+
+    fn new(epoch: tokio::time::Instant) -> Activity {
+        let activity = Activity {
+            epoch,
+            idle_since: AtomicU64::new(0),
+        };
+        activity.idle();
+        activity
+    }
+
+    fn idle(&self) {
+        let nanos = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(Activity::BUSY - 1);
+        self.idle_since.store(nanos, Ordering::Relaxed);
+    }
+
+    /// When the connection became idle; none while it is in a request.
+    fn idle_since(&self) -> Option<u64> {
+        Some(self.idle_since.load(Ordering::Relaxed)).filter(|at| *at != Activity::BUSY)
+    }
+
+    /// Marks a request in progress until the guard is dropped.
+    fn busy(self: &Arc<Activity>) -> Busy {
+        self.idle_since.store(Activity::BUSY, Ordering::Relaxed);
+        Busy(self.clone())
+    }
+}
+
+/// A request in progress on a connection; idle again when dropped.
+struct Busy(Arc<Activity>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.idle();
+    }
+}
+
 /// One accepted connection, served until it ends, fails or outlives
-/// [`Limits::lifetime`].
+/// [`Limits::lifetime`]; `activity` follows its requests.
 fn connection(
     stream: TcpStream,
     peer: SocketAddr,
     app: &Router,
     limits: Limits,
+    activity: Arc<Activity>,
 ) -> impl Future<Output = ()> + Send + 'static {
+    let app = TowerToHyperService::new(app.clone());
+    let service = service_fn(move |request| {
+        let busy = activity.busy();
+        let answer = app.call(request);
+        async move {
+            let response = answer.await;
+            drop(busy);
+            response
+        }
+    });
     let conn = http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read)
-        .serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
+        .serve_connection(TokioIo::new(stream), service);
     async move {
         match tokio::time::timeout(limits.lifetime, conn).await {
             Ok(Ok(())) => {}
@@ -169,6 +302,7 @@ async fn request_deadline(State(limit): State<Duration>, request: Request, next:
 struct Endpoints {
     relay: Arc<Relay>,
     lag: Arc<LagRounds>,
+    renders: Arc<Renders>,
 }
 
 /// The router, for [`serve`] or an in-process test.
@@ -181,6 +315,7 @@ pub fn router(relay: Arc<Relay>) -> Router {
         .with_state(Endpoints {
             relay,
             lag: Arc::new(LagRounds::default()),
+            renders: Arc::new(Renders::default()),
         })
 }
 
@@ -372,21 +507,109 @@ async fn readyz(State(Endpoints { relay, .. }): State<Endpoints>) -> Response {
 /// The metrics, gzip-compressed when the client accepts it (Prometheus
 /// does): 10,000 tenants' series are megabytes as text.
 async fn metrics(
-    State(Endpoints { relay, .. }): State<Endpoints>,
+    State(Endpoints { relay, renders, .. }): State<Endpoints>,
     headers: axum::http::HeaderMap,
 ) -> Response {
     let content_type = (
         header::CONTENT_TYPE,
         "text/plain; version=0.0.4; charset=utf-8",
     );
-    if accepts_gzip(&headers) {
-        (
-            [content_type, (header::CONTENT_ENCODING, "gzip")],
-            relay.metrics.render_gzip(),
+    let gzip = accepts_gzip(&headers);
+    let Some(body) = renders.body(&relay.metrics, gzip).await else {
+        return (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the metrics could not be rendered\n",
         )
-            .into_response()
+            .into_response();
+    };
+    if gzip {
+        ([content_type, (header::CONTENT_ENCODING, "gzip")], body).into_response()
     } else {
-        ([content_type], relay.metrics.render()).into_response()
+        ([content_type], body).into_response()
+    }
+}
+
+/// The longest a render's body answers the scrapes that come after it:
+/// well within the contract's 1 s.
+pub const SCRAPE_REUSE_MAX: Duration = Duration::from_millis(250);
+
+/// A render's body answers the scrapes within this many times its own
+/// duration of its start (at most [`SCRAPE_REUSE_MAX`]): scrapers back to
+/// back then spend at most about a tenth of a core rendering, and a small
+/// relay's body (well under a millisecond to render) is reused for a few
+/// milliseconds at most.
+const SCRAPE_REUSE_RENDERS: u32 = 10;
+
+/// One round of rendering: when it started, and the body with how long it
+/// took (none if the render failed).
+type Render = (
+    tokio::time::Instant,
+    Shared<BoxFuture<'static, Option<(Bytes, Duration)>>>,
+);
+
+/// The `/metrics` renders, off the sweeping thread and coalesced. With
+/// 10,000 tenants a render is milliseconds of CPU and a megabyte of text:
+/// it runs on a blocking thread (the relay sweeps on one thread, which a
+/// render must not hold), one at a time per encoding; a scrape that arrives
+/// while one runs shares it, and so does one that arrives shortly after
+/// (see [`SCRAPE_REUSE_RENDERS`]). A body is never older than its scrape by
+/// more than [`SCRAPE_REUSE_MAX`] plus one render, and however many
+/// scrapers ask, the relay renders at most two bodies (text and gzip) at a
+/// time.
+#[derive(Default)]
+struct Renders {
+    text: Mutex<Option<Render>>,
+    gzip: Mutex<Option<Render>>,
+}
+
+impl Renders {
+    async fn body(&self, metrics: &Metrics, gzip: bool) -> Option<Bytes> {
+        let current = if gzip { &self.gzip } else { &self.text };
+        let round = {
+            let mut current = current.lock().unwrap_or_else(PoisonError::into_inner);
+            match current.as_ref() {
+                Some((started, round)) if Renders::shared(*started, round.peek()) => round.clone(),
+                _ => {
+                    let metrics = metrics.clone();
+                    let task = tokio::task::spawn_blocking(move || {
+                        let started = std::time::Instant::now();
+                        let body = if gzip {
+                            Bytes::from(metrics.render_gzip())
+                        } else {
+                            Bytes::from(metrics.render())
+                        };
+                        (body, started.elapsed())
+                    });
+                    let round = async move {
+                        task.await
+                            .inspect_err(|error| {
+                                tracing::error!(%error, "rendering the metrics failed");
+                            })
+                            .ok()
+                    }
+                    .boxed()
+                    .shared();
+                    *current = Some((tokio::time::Instant::now(), round.clone()));
+                    round
+                }
+            }
+        };
+        round.await.map(|(body, _)| body)
+    }
+
+    /// Whether a scrape now shares the round that started at `started`:
+    /// it is still running, or ended and is recent for what it cost.
+    fn shared(started: tokio::time::Instant, ended: Option<&Option<(Bytes, Duration)>>) -> bool {
+        match ended {
+            None => true,
+            Some(Some((_, took))) => {
+                started.elapsed()
+                    <= took
+                        .saturating_mul(SCRAPE_REUSE_RENDERS)
+                        .min(SCRAPE_REUSE_MAX)
+            }
+            Some(None) => false,
+        }
     }
 }
 
@@ -457,6 +680,30 @@ mod tests {
             .expect("the server closes the connection")
             .unwrap();
         String::from_utf8_lossy(&response).into_owned()
+    }
+
+    #[test]
+    fn a_render_is_shared_while_it_runs_and_briefly_after_for_what_it_cost() {
+        let ago = |ms: u64| {
+            tokio::time::Instant::now()
+                .checked_sub(Duration::from_millis(ms))
+                .unwrap()
+        };
+        let body = |ms: u64| Some((Bytes::new(), Duration::from_millis(ms)));
+        assert!(Renders::shared(ago(0), None), "running: shared");
+        assert!(
+            Renders::shared(ago(15), Some(&body(2))),
+            "within 10 renders"
+        );
+        assert!(!Renders::shared(ago(15), Some(&body(1))), "past 10 renders");
+        assert!(
+            !Renders::shared(ago(0), Some(&None)),
+            "a failed render is not"
+        );
+        assert!(
+            !Renders::shared(ago(251), Some(&body(1_000))),
+            "never past SCRAPE_REUSE_MAX"
+        );
     }
 
     #[test]

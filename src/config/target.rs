@@ -378,6 +378,9 @@ const AMQP_TLS_KEYS: [&str; 5] = [
     "server_name_indication",
 ];
 
+/// The least `frame_max` AMQP 0-9-1 allows (0 is "the broker's").
+const AMQP_FRAME_MIN: u32 = 4096;
+
 impl FromStr for AmqpEndpoint {
     type Err = String;
 
@@ -395,6 +398,14 @@ impl FromStr for AmqpEndpoint {
         })?;
         if uri.query.heartbeat.is_none() {
             uri.query.heartbeat = Some(DEFAULT_HEARTBEAT_SECS);
+        }
+        if let Some(frame_max) = uri.query.frame_max
+            && frame_max != 0
+            && frame_max < AMQP_FRAME_MIN
+        {
+            return Err(format!(
+                "frame_max={frame_max} is below AMQP's least frame size ({AMQP_FRAME_MIN}): the broker would refuse every connection"
+            ));
         }
         let query: Vec<(String, String)> = url::Url::parse(url)
             .map_err(|e| format!("not a valid AMQP URL: {e}"))?
@@ -948,6 +959,22 @@ mod tests {
         for bad in ["mysql://u:pa55@db/x", "postgres://u:pa55@:5432/x?port=zz"] {
             let error = bad.parse::<DatabaseTarget>().unwrap_err();
             assert!(!error.contains("pa55"), "{error}");
+        }
+    }
+
+    #[test]
+    fn a_frame_max_the_broker_refuses_is_refused_at_load() {
+        let error = "amqp://u:pa55@mq/%2f?frame_max=1000"
+            .parse::<AmqpTarget>()
+            .unwrap_err();
+        assert!(
+            error.contains("frame_max=1000") && error.contains("4096"),
+            "{error}"
+        );
+        assert!(!error.contains("pa55"), "{error}");
+        for fits in ["0", "4096", "131072"] {
+            let url = format!("amqp://u:pa55@mq/%2f?frame_max={fits}");
+            assert!(url.parse::<AmqpTarget>().is_ok(), "{url}");
         }
     }
 

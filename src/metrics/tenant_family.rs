@@ -4,10 +4,14 @@
 //! A `prometheus` vector's child clones its family's description (name,
 //! help, label names) and label pairs: about 2 KB a series, which with
 //! 10,000 tenants, three or four series each, was 75 MiB. Here a series is
-//! one map entry (its tenant, its second label, its value), and the
-//! crate's model of a family is built only while a scrape writes it.
+//! one map entry (its tenant, its second label, its value). A scrape writes
+//! the series as text straight from the map ([`TenantFamily::write_text`]),
+//! the same text as the crate's encoder, without building the crate's model
+//! of 10,000 tenants' series first (a string per label, then the encoder's
+//! copies: most of a scrape's time).
 
 use std::collections::BTreeMap;
+use std::fmt::Write as _;
 use std::sync::{Mutex, PoisonError};
 
 use prometheus::core::{Collector, Desc};
@@ -104,6 +108,50 @@ impl TenantFamily {
         }
     }
 
+    /// Writes the family in the Prometheus text format, as the crate's
+    /// `TextEncoder` writes its [`Collector::collect`]: `# HELP`, `# TYPE`,
+    /// then each series, labels in the order of their names. The series are
+    /// locked while they are written (about a millisecond for 10,000
+    /// tenants), which is why the scrape runs off the sweeping thread.
+    pub fn write_text(&self, out: &mut String) {
+        let name = &self.desc.fq_name;
+        let kind = if self.kind == MetricType::COUNTER {
+            "counter"
+        } else {
+            "gauge"
+        };
+        out.push_str("# HELP ");
+        out.push_str(name);
+        out.push(' ');
+        escape(out, &self.desc.help, false);
+        out.push_str("\n# TYPE ");
+        out.push_str(name);
+        out.push(' ');
+        out.push_str(kind);
+        out.push('\n');
+        // The second label goes first when its name sorts before `tenant`.
+        let second_first = self.second.is_some_and(|second| second < "tenant");
+        let values = self.values();
+        for (tenant, series) in values.iter() {
+            for (second_value, value) in series {
+                out.push_str(name);
+                out.push('{');
+                let second = self.second.map(|second| (second, *second_value));
+                if let Some((label, value)) = second.filter(|_| second_first) {
+                    label_pair(out, label, value);
+                    out.push(',');
+                }
+                label_pair(out, "tenant", tenant);
+                if let Some((label, value)) = second.filter(|_| !second_first) {
+                    out.push(',');
+                    label_pair(out, label, value);
+                }
+                // As the encoder writes it: `f64`'s `Display`.
+                let _ = writeln!(out, "}} {value}");
+            }
+        }
+    }
+
     /// The series' value, if it exists.
     #[cfg(test)]
     pub fn get(&self, tenant: &str, second: &'static str) -> Option<f64> {
@@ -113,6 +161,31 @@ impl TenantFamily {
             .iter()
             .find(|(name, _)| *name == second)
             .map(|(_, value)| *value)
+    }
+}
+
+/// `name="value"`, the value escaped.
+fn label_pair(out: &mut String, name: &str, value: &str) {
+    out.push_str(name);
+    out.push_str("=\"");
+    escape(out, value, true);
+    out.push('"');
+}
+
+/// The text format's escapes: backslash and newline (and a double quote in
+/// a label value).
+fn escape(out: &mut String, text: &str, quote: bool) {
+    if !text.contains(['\\', '\n', '"']) {
+        out.push_str(text);
+        return;
+    }
+    for c in text.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '"' if quote => out.push_str("\\\""),
+            c => out.push(c),
+        }
     }
 }
 
@@ -166,6 +239,46 @@ impl Collector for TenantFamily {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The text written straight from the numbers is the encoder's text
+    /// of the same family, byte for byte: odd tenant names, both orders of
+    /// the labels, fractions, counters and gauges.
+    #[test]
+    fn the_text_is_the_encoders_text() {
+        let reasons = TenantFamily::counter("r_total", "Help \\ with\nlines.", Some("reason"));
+        let zones = TenantFamily::counter("z_total", "Help.", Some("zone"));
+        let gauge = TenantFamily::gauge("g", "Help.");
+        let empty = TenantFamily::gauge("e", "Nothing yet.");
+        for tenant in [
+            "a",
+            "quo\"te",
+            "back\\slash",
+            "new\nline",
+            "ünï",
+            "{x=\"y\"}",
+        ] {
+            reasons.add(tenant, "nack", 3.0);
+            reasons.touch(tenant, "timeout");
+            zones.add(tenant, "eu", 1.0);
+            gauge.set(tenant, 0.125);
+        }
+        gauge.set("big", 12_345_678_901.5);
+        for family in [&reasons, &zones, &gauge, &empty] {
+            let mut text = String::new();
+            family.write_text(&mut text);
+            let collected = family.collect();
+            let expected = if collected[0].get_metric().is_empty() {
+                // The encoder writes nothing for a family without series:
+                // the relay writes its `# HELP` and `# TYPE` alone.
+                "# HELP e Nothing yet.\n# TYPE e gauge\n".to_string()
+            } else {
+                prometheus::TextEncoder::new()
+                    .encode_to_string(&collected)
+                    .unwrap()
+            };
+            assert_eq!(text, expected);
+        }
+    }
 
     #[test]
     fn series_are_kept_as_numbers_and_written_in_order() {

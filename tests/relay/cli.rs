@@ -222,6 +222,96 @@ fn each_configuration_error_exits_2_naming_key_and_source_before_connecting() {
     wires.assert_untouched();
 }
 
+/// A setting whose derivative is out of range, or a combination the broker
+/// or the database can never accept: `check-config` (and `run`) exit 2
+/// naming the key, its source and why, and nothing is connected. The value
+/// just inside each bound is accepted.
+#[test]
+fn check_config_refuses_derived_settings_that_could_never_work() {
+    let wires = Tripwires::new();
+    let (db, mq) = (wires.database_url(), wires.amqp_url());
+    let base = vec![
+        ("OUTBOX_DATABASE_URL", db.as_str()),
+        ("OUTBOX_AMQP_URL", mq.as_str()),
+        ("OUTBOX_TENANTS", "a"),
+    ];
+    let amq_file = config_file("exchange = \"amq.orders\"\n");
+    let small_frames = format!("{mq}?frame_max=1024");
+    let cases: Vec<Case> = vec![
+        (
+            vec![("OUTBOX_CONFIRM_TIMEOUT_MS", "1073739324")],
+            vec!["check-config"],
+            "confirm_timeout_ms = 1073739324 (environment variable OUTBOX_CONFIRM_TIMEOUT_MS): must be at most 1073739323: the claim sets idle_in_transaction_session_timeout",
+        ),
+        (
+            vec![],
+            vec!["check-config", "--confirm-timeout-ms", "4000000000"],
+            "confirm_timeout_ms = 4000000000 (command-line flag --confirm-timeout-ms)",
+        ),
+        (
+            vec![("OUTBOX_EXCHANGE", "")],
+            vec!["check-config"],
+            "declare_exchange = true (built-in default): exchange is \"\" (the default exchange), which the broker refuses to declare",
+        ),
+        (
+            vec![("OUTBOX_EXCHANGE", "")],
+            vec![],
+            "declare_exchange = true (built-in default)",
+        ),
+        (
+            vec![],
+            vec!["check-config", "--config", amq_file.to_str().unwrap()],
+            "declare_exchange = true (built-in default): exchange \"amq.orders\" starts with amq.",
+        ),
+        (
+            vec![("OUTBOX_EXCHANGE", "amq.fanout")],
+            vec!["check-config"],
+            "exchange \"amq.fanout\" is the broker's own, of type fanout, but exchange_type is topic",
+        ),
+        (
+            vec![("OUTBOX_RETENTION_MS", "300000000000000")],
+            vec!["check-config"],
+            "retention_ms = 300000000000000 (environment variable OUTBOX_RETENTION_MS): must be at most 3155760000000 (100 years)",
+        ),
+        (
+            vec![("OUTBOX_AMQP_URL", small_frames.as_str())],
+            vec!["check-config"],
+            "amqp_url = (not shown: it may hold a password) (environment variable OUTBOX_AMQP_URL): frame_max=1024 is below AMQP's least frame size (4096)",
+        ),
+    ];
+    for (env, args, expected) in cases {
+        let mut all_env = base.clone();
+        all_env.extend(env.iter().copied());
+        let (code, stdout, stderr) = run(&all_env, &args);
+        assert_eq!(code, Some(2), "exit code for {env:?} {args:?}: {stderr}");
+        assert!(stdout.is_empty(), "no configuration printed: {stdout}");
+        assert!(
+            stderr.starts_with("outbox-relay: configuration error: ") && stderr.contains(expected),
+            "{env:?} {args:?}: expected {expected:?} in {stderr:?}"
+        );
+        assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr:?}");
+        assert!(!stderr.contains("hunter2"), "no secrets: {stderr}");
+    }
+    // Just inside the bounds, and the same exchanges used as they are.
+    let fits: Vec<Vec<(&str, &str)>> = vec![
+        vec![("OUTBOX_CONFIRM_TIMEOUT_MS", "1073739323")],
+        vec![
+            ("OUTBOX_EXCHANGE", ""),
+            ("OUTBOX_DECLARE_EXCHANGE", "false"),
+        ],
+        vec![("OUTBOX_EXCHANGE", "amq.topic")],
+        vec![("OUTBOX_RETENTION_MS", "3155760000000")],
+    ];
+    for env in fits {
+        let mut all_env = base.clone();
+        all_env.extend(env.iter().copied());
+        let (code, stdout, stderr) = run(&all_env, &["check-config"]);
+        assert_eq!(code, Some(0), "{env:?}: {stderr}");
+        assert!(stdout.contains("confirm_timeout_ms = "), "{stdout}");
+    }
+    wires.assert_untouched();
+}
+
 #[test]
 fn unknown_outbox_variables_are_ignored_and_check_config_redacts() {
     let file = config_file("tenants = [\"a\", \"b\"]\npoll_ms = 150\n");
