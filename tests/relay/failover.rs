@@ -18,8 +18,8 @@ use tokio_postgres::{Client, NoTls};
 
 use crate::proxy::{Mode, Proxy};
 use crate::support::{
-    Broker, Outbox, PrivateServer, by_tenant, config, eventually, free_port, initdb, relay_command,
-    start_relay,
+    Broker, Outbox, PrivateServer, by_tenant, config, eventually, free_port, private_cluster,
+    relay_command, start_relay,
 };
 
 /// The private cluster (see [`PrivateServer`]), with a database `test`.
@@ -31,23 +31,11 @@ struct Cluster {
 fn cluster() -> &'static Cluster {
     static CLUSTER: OnceLock<Cluster> = OnceLock::new();
     CLUSTER.get_or_init(|| {
-        let dir = tempfile::Builder::new()
-            .prefix("outbox-relay-failover-")
-            .tempdir()
-            .expect("cluster dir")
-            .keep();
-        let status = std::process::Command::new("chown")
-            .args(["-R", "postgres:postgres"])
-            .arg(&dir)
-            .status()
-            .expect("chown");
-        assert!(status.success());
-        let base = dir.display().to_string();
-        let data = format!("{base}/data");
-        initdb(&data);
-        let settings = ["-c".to_string(), "max_connections=60".to_string()];
-        let server = PrivateServer::start("failover cluster", &data, &base, &base, &settings);
-        server.psql("postgres", "CREATE DATABASE test");
+        let server = private_cluster(
+            "failover cluster",
+            "outbox-relay-failover-",
+            &["max_connections=60"],
+        );
         Cluster {
             port: server.port,
             _server: server,

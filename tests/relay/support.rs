@@ -902,6 +902,33 @@ pub fn initdb(data: &str) {
     );
 }
 
+/// A private cluster in a temporary folder of its own (`prefix…`), made by
+/// [`initdb`] and started with `settings` (`name=value`), with a database
+/// `test`: the failover and two-phase tests' servers.
+pub fn private_cluster(what: &str, prefix: &str, settings: &[&str]) -> PrivateServer {
+    let dir = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir()
+        .expect("cluster dir")
+        .keep();
+    let status = Command::new("chown")
+        .args(["-R", "postgres:postgres"])
+        .arg(&dir)
+        .status()
+        .expect("chown");
+    assert!(status.success());
+    let base = dir.display().to_string();
+    let data = format!("{base}/data");
+    initdb(&data);
+    let settings: Vec<String> = settings
+        .iter()
+        .flat_map(|setting| ["-c".to_string(), setting.to_string()])
+        .collect();
+    let server = PrivateServer::start(what, &data, &base, &base, &settings);
+    server.psql("postgres", "CREATE DATABASE test");
+    server
+}
+
 /// A PostgreSQL server of this test run's own (a second primary, a TLS
 /// listener), started once from the machine's binaries on `data` (made by
 /// [`initdb`]). Its shell parent stops it, and removes its directory, when

@@ -14,8 +14,8 @@ use outbox_relay::store::Store;
 use tokio_postgres::{Client, NoTls};
 
 use crate::support::{
-    Broker, Outbox, PrivateServer, by_tenant, config, eventually, initdb, metric, start_relay,
-    unique,
+    Broker, Outbox, PrivateServer, by_tenant, config, eventually, metric, private_cluster,
+    start_relay, unique,
 };
 
 /// The private cluster, with a database `test` and a role `preparer` that
@@ -28,26 +28,11 @@ struct Cluster {
 fn cluster() -> &'static Cluster {
     static CLUSTER: OnceLock<Cluster> = OnceLock::new();
     CLUSTER.get_or_init(|| {
-        let dir = tempfile::Builder::new()
-            .prefix("outbox-relay-twophase-")
-            .tempdir()
-            .expect("cluster dir")
-            .keep();
-        let status = std::process::Command::new("chown")
-            .args(["-R", "postgres:postgres"])
-            .arg(&dir)
-            .status()
-            .expect("chown");
-        assert!(status.success());
-        let base = dir.display().to_string();
-        let data = format!("{base}/data");
-        initdb(&data);
-        let settings: Vec<String> = ["max_prepared_transactions=10", "max_connections=40"]
-            .into_iter()
-            .flat_map(|setting| ["-c".to_string(), setting.to_string()])
-            .collect();
-        let server = PrivateServer::start("two-phase cluster", &data, &base, &base, &settings);
-        server.psql("postgres", "CREATE DATABASE test");
+        let server = private_cluster(
+            "two-phase cluster",
+            "outbox-relay-twophase-",
+            &["max_prepared_transactions=10", "max_connections=40"],
+        );
         server.psql(
             "test",
             "CREATE ROLE preparer LOGIN; ALTER ROLE preparer SET outbox_relay.notify = off",

@@ -135,6 +135,35 @@ async fn recorded(client: &Client, schema: &str) -> Vec<i32> {
         .collect()
 }
 
+/// `migrate` (with `args`) of a relay build for the `schema`'s table; it
+/// must succeed.
+fn migrate(mut command: Command, args: &[&str], schema: &str) {
+    let output = command
+        .arg("migrate")
+        .args(args)
+        .envs([
+            ("OUTBOX_TENANTS", "red"),
+            ("OUTBOX_DATABASE_URL", DATABASE_URL),
+            ("OUTBOX_SCHEMA", schema),
+        ])
+        .output()
+        .expect("the relay binary runs");
+    assert!(
+        output.status.success(),
+        "migrate {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// The test's table, with a connection of its own.
+async fn outbox_of(schema: &str) -> Outbox {
+    Outbox {
+        schema: schema.to_string(),
+        table: "outbox_message".into(),
+        client: pg_client().await,
+    }
+}
+
 fn merge(into: &mut BTreeMap<String, Vec<i64>>, more: BTreeMap<String, Vec<i64>>) {
     for (tenant, ids) in more {
         into.entry(tenant).or_default().extend(ids);
@@ -148,21 +177,8 @@ fn merge(into: &mut BTreeMap<String, Vec<i64>>, more: BTreeMap<String, Vec<i64>>
 async fn an_old_relay_beside_a_new_one_keeps_order_through_both_steps_of_the_upgrade() {
     let old = tokio::task::spawn_blocking(old_relay).await.expect("built");
     let schema = unique("up");
-    let migrated = binary_command(&old)
-        .arg("migrate")
-        .envs([
-            ("OUTBOX_TENANTS", "red"),
-            ("OUTBOX_DATABASE_URL", DATABASE_URL),
-            ("OUTBOX_SCHEMA", schema.as_str()),
-        ])
-        .output()
-        .expect("the old relay runs");
-    assert!(migrated.status.success(), "the old relay's migrate");
-    let outbox = Outbox {
-        schema: schema.clone(),
-        table: "outbox_message".into(),
-        client: pg_client().await,
-    };
+    migrate(binary_command(&old), &[], &schema);
+    let outbox = outbox_of(&schema).await;
     assert_eq!(recorded(&outbox.client, &schema).await, [1, 2, 3, 4]);
     let broker = Broker::create(&["#"]).await;
     let tenants = ["red", "blue"];
@@ -174,27 +190,10 @@ async fn an_old_relay_beside_a_new_one_keeps_order_through_both_steps_of_the_upg
     // Step 1, while the old relay runs and writers write: the new trigger,
     // still the exclusive lock the old relay relies on.
     let writing = tokio::spawn({
-        let outbox = Outbox {
-            schema: schema.clone(),
-            table: "outbox_message".into(),
-            client: pg_client().await,
-        };
+        let outbox = outbox_of(&schema).await;
         async move { interleaved(&outbox, &["red", "blue"]).await }
     });
-    let stepped = relay_command()
-        .arg("migrate")
-        .envs([
-            ("OUTBOX_TENANTS", "red"),
-            ("OUTBOX_DATABASE_URL", DATABASE_URL),
-            ("OUTBOX_SCHEMA", schema.as_str()),
-        ])
-        .output()
-        .expect("the relay runs");
-    assert!(
-        stepped.status.success(),
-        "migrate beside the old relay: {}",
-        String::from_utf8_lossy(&stepped.stderr)
-    );
+    migrate(relay_command(), &[], &schema);
     merge(&mut committed, writing.await.expect("writers"));
     assert_eq!(recorded(&outbox.client, &schema).await, [1, 2, 3, 4, 5]);
     assert!(
@@ -218,16 +217,7 @@ async fn an_old_relay_beside_a_new_one_keeps_order_through_both_steps_of_the_upg
     // Step 2, once the old relay is gone.
     old_relay.signal("TERM");
     assert_eq!(old_relay.wait(Duration::from_secs(30)).await, Some(0));
-    let finished = relay_command()
-        .args(["migrate", "--finish"])
-        .envs([
-            ("OUTBOX_TENANTS", "red"),
-            ("OUTBOX_DATABASE_URL", DATABASE_URL),
-            ("OUTBOX_SCHEMA", schema.as_str()),
-        ])
-        .output()
-        .expect("the relay runs");
-    assert!(finished.status.success(), "migrate --finish");
+    migrate(relay_command(), &["--finish"], &schema);
     assert_eq!(recorded(&outbox.client, &schema).await, [1, 2, 3, 4, 5, 6]);
     assert!(
         !writers_wait(&outbox, "blue").await,
