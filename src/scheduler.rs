@@ -499,8 +499,10 @@ pub const POLL_PAGE: usize = 10_000;
 /// [`Store::writers`]: crate::store::Store::writers
 type WritersCheck = Pin<Box<dyn Future<Output = (Vec<usize>, Result<Writers, StoreError>)> + Send>>;
 
-/// The writers' check runs at most this often while tenants wait for it ...
-pub const WRITERS_CHECK_MIN: Duration = Duration::from_millis(1);
+/// The writers' check runs at most this often while tenants wait for it
+/// (each reads `pg_locks`, which holds up every lock request of the server
+/// for a moment) ...
+pub const WRITERS_CHECK_MIN: Duration = Duration::from_millis(5);
 /// ... and at least this often; in between, a quarter of how long the
 /// youngest wait has lasted: a busy tenant's writers end within milliseconds,
 /// a long transaction (or a prepared one left open) is looked at less and
