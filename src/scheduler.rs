@@ -497,12 +497,25 @@ pub const POLL_PAGE: usize = 10_000;
 /// about, and its answer.
 ///
 /// [`Store::writers`]: crate::store::Store::writers
-type WritersCheck = Pin<Box<dyn Future<Output = (Vec<usize>, Result<Writers, StoreError>)> + Send>>;
+type WritersCheck = Pin<Box<dyn Future<Output = WritersFound> + Send>>;
 
-/// The writers' check runs at most this often while tenants wait for it
-/// (each reads `pg_locks`, which holds up every lock request of the server
-/// for a moment) ...
-pub const WRITERS_CHECK_MIN: Duration = Duration::from_millis(5);
+/// What a writers' check found: the tenants it asked about; whether each is
+/// free now and the position before (the cheap check); and, when `pg_locks`
+/// was read too, who holds each tenant's lock.
+struct WritersFound {
+    tenants: Vec<usize>,
+    free: Result<(i64, Vec<bool>), StoreError>,
+    holders: Option<Result<Writers, StoreError>>,
+}
+
+/// The writers' check runs at most this often while tenants wait for it:
+/// a try of each deferred tenant's writers' key, which clears a tenant whose
+/// writers have all ended ...
+pub const WRITERS_CHECK_MIN: Duration = Duration::from_millis(2);
+/// ... and, at most this often, a read of `pg_locks` (which holds up every
+/// lock request of the server for a moment), which clears a tenant that
+/// always has some writer in flight once those of an earlier read ended ...
+pub const LOCKS_CHECK_MIN: Duration = Duration::from_millis(5);
 /// ... and at least this often; in between, a quarter of how long the
 /// youngest wait has lasted: a busy tenant's writers end within milliseconds,
 /// a long transaction (or a prepared one left open) is looked at less and
@@ -658,6 +671,8 @@ struct Scheduler {
     writers_check: Option<WritersCheck>,
     /// The next writers' check is not due before.
     next_check: Instant,
+    /// The next read of `pg_locks` is not due before.
+    next_locks_check: Instant,
     watch: Watch,
 }
 
@@ -696,6 +711,7 @@ impl Scheduler {
             candidates: HashMap::new(),
             writers_check: None,
             next_check: Instant::now(),
+            next_locks_check: Instant::now(),
             watch: Watch {
                 watching: false,
                 position: 0,
@@ -828,10 +844,23 @@ impl Scheduler {
                 .map(|&t| self.schedule.name(t).clone())
                 .collect();
             let relay = self.relay.clone();
+            let locks = now >= self.next_locks_check;
+            if locks {
+                self.next_locks_check = now + LOCKS_CHECK_MIN;
+            }
             self.writers_check = Some(Box::pin(async move {
                 let names: Vec<&str> = names.iter().map(|name| &**name).collect();
-                let found = relay.store.writers(&names).await;
-                (tenants, found)
+                let free = relay.store.writers_free(&names).await;
+                let holders = if locks {
+                    Some(relay.store.writers(&names).await)
+                } else {
+                    None
+                };
+                WritersFound {
+                    tenants,
+                    free,
+                    holders,
+                }
             }));
         }
         for woken in self.schedule.wake(now) {
@@ -1146,13 +1175,39 @@ impl Scheduler {
     /// (as an earlier check found them) have all ended is ready again, with
     /// that check's position as its safe bound; one with no writer in flight
     /// now, with this check's. The next check is paced by the youngest wait.
-    fn checked(&mut self, (tenants, found): (Vec<usize>, Result<Writers, StoreError>)) {
+    fn checked(&mut self, found: WritersFound) {
         let now = Instant::now();
-        let writers = match found {
-            Ok(writers) => writers,
+        let WritersFound {
+            tenants,
+            free,
+            holders,
+        } = found;
+        let (position, free) = match free {
+            Ok(free) => free,
             Err(error) => {
                 tracing::debug!(%error, "the writers' check failed; trying again at the next poll interval");
                 self.next_check = now + self.relay.config.poll_interval();
+                return;
+            }
+        };
+        // A tenant with no writer in flight now: its ids up to the position
+        // are committed or gone.
+        for (&tenant, free) in tenants.iter().zip(free) {
+            if free && self.candidates.remove(&tenant).is_some() {
+                self.schedule.cleared(tenant, position);
+                let name = self.schedule.name(tenant).clone();
+                self.relay.metrics.set_writer_wait(&name, Duration::ZERO);
+            }
+        }
+        let writers = match holders {
+            Some(Ok(writers)) => writers,
+            Some(Err(error)) => {
+                tracing::debug!(%error, "the writers' check failed; trying again at the next poll interval");
+                self.next_check = now + self.relay.config.poll_interval();
+                return;
+            }
+            None => {
+                self.pace_checks(now);
                 return;
             }
         };
@@ -1185,6 +1240,12 @@ impl Scheduler {
                     .set_writer_wait(&name, now - candidate.since);
             }
         }
+        self.pace_checks(now);
+    }
+
+    /// The next writers' check: a quarter of how long the youngest wait has
+    /// lasted, within [`WRITERS_CHECK_MIN`] and [`WRITERS_CHECK_MAX`].
+    fn pace_checks(&mut self, now: Instant) {
         let youngest = self.candidates.values().map(|c| now - c.since).min();
         self.next_check = now
             + youngest.map_or(WRITERS_CHECK_MIN, |waited| {

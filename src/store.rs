@@ -78,6 +78,7 @@ const DISCARD: &str = include_str!("store/discard.sql");
 const REPLAY_BATCH: &str = include_str!("store/replay_batch.sql");
 const SEQUENCE: &str = include_str!("store/sequence.sql");
 const WRITERS: &str = include_str!("store/writers.sql");
+const WRITERS_FREE: &str = include_str!("store/writers_free.sql");
 /// Where the id sequence stands (see [`Store::position`]); $1 = its oid.
 const POSITION: &str = "SELECT COALESCE(pg_sequence_last_value($1::bigint::oid::regclass), 0)";
 
@@ -917,6 +918,38 @@ impl Store {
             )
             .await?;
         Ok(found.into_iter().next().unwrap_or_default())
+    }
+
+    /// Whether each of `tenants` has no writer in flight, and where the id
+    /// sequence stood just before (see `store/writers_free.sql`): a free
+    /// tenant's ids up to it are committed or gone. Cheaper than
+    /// [`Store::writers`] (no read of `pg_locks`), but it never clears a
+    /// tenant that always has some writer in flight.
+    pub async fn writers_free(&self, tenants: &[&str]) -> Result<(i64, Vec<bool>), StoreError> {
+        let sequence = self.sequence().await?;
+        if sequence == 0 {
+            return Ok((i64::MAX, vec![true; tenants.len()]));
+        }
+        let lock_key: &str = &self.lock_key;
+        let rows = self
+            .query_all(
+                "the writers' free check",
+                WRITERS_FREE,
+                &[
+                    (&lock_key, Type::TEXT),
+                    (&sequence, Type::INT8),
+                    (&tenants, Type::TEXT_ARRAY),
+                ],
+                |row| {
+                    Ok((
+                        row.try_get::<_, bool>("free")?,
+                        row.try_get::<_, i64>("position")?,
+                    ))
+                },
+            )
+            .await?;
+        let position = rows.first().map_or(0, |(_, position)| *position);
+        Ok((position, rows.into_iter().map(|(free, _)| free).collect()))
     }
 
     /// Which transactions hold the writers' lock of each of `tenants` (and of
