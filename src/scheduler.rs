@@ -487,6 +487,10 @@ enum ColumnCheck {
     Drift(Drift),
 }
 
+/// A poll checks the id sequence's settings (see `Store::check_sequence`) at
+/// least this often, besides at start.
+pub const SEQUENCE_CHECK_EVERY: Duration = Duration::from_secs(10);
+
 /// The most tenants one poll reads (about 50 ms of the database's time);
 /// with more pending, the polls page through them in the index's order,
 /// each going on after the last one's last tenant, and start again at the
@@ -660,6 +664,8 @@ struct Scheduler {
     /// When the last poll started, and how long the last one that answered took.
     last_poll: Option<Instant>,
     last_poll_took: Duration,
+    /// When a poll last checked the id sequence's settings.
+    sequence_checked: Option<Instant>,
     /// Where the ready queues stood when the last poll started (see
     /// [`Schedule::settle`]).
     poll_mark: u64,
@@ -706,6 +712,7 @@ impl Scheduler {
             cycle: 0,
             last_poll: None,
             last_poll_took: Duration::ZERO,
+            sequence_checked: None,
             poll_mark: 0,
             member: false,
             candidates: HashMap::new(),
@@ -810,12 +817,22 @@ impl Scheduler {
             let check = !self.columns_checked
                 || self.drift.is_some()
                 || !self.relay.store.has_parking_columns();
+            // The id sequence's settings too, and at least every
+            // SEQUENCE_CHECK_EVERY: an ALTER SEQUENCE … CACHE 20 under a
+            // running relay would otherwise go unseen.
+            let check_sequence = check
+                || self
+                    .sequence_checked
+                    .is_none_or(|at| now >= at + SEQUENCE_CHECK_EVERY);
+            if check_sequence {
+                self.sequence_checked = Some(now);
+            }
             let page = Page {
                 after: self.poll_after.clone(),
                 limit: POLL_PAGE,
             };
             self.poll = Some(Box::pin(async move {
-                if check {
+                if check_sequence {
                     relay.store.check_sequence().await?;
                 }
                 let columns = match check.then(|| relay.store.check_columns()) {

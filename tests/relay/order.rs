@@ -799,3 +799,47 @@ async fn the_schema_check_names_each_missing_piece() {
     assert_eq!(report.missing, vec![Missing::Table]);
     outbox.drop_schema().await;
 }
+
+/// The id sequence's settings are checked while the relay runs: one altered
+/// to `CACHE 20` under it (a draw would show the end of its session's cached
+/// range to everyone, so the relay's bound would not hold) stops relaying
+/// with an ERROR naming the sequence and the fix, within the check's 10 s;
+/// the row waits, and goes out once the sequence is fixed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_altered_to_cache_rows_under_the_relay_stops_it_until_fixed() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let env = relay_env(&outbox, &broker, &["seq"]);
+    let (relay, _) = crate::support::spawn_relay(&env).await;
+    let first = outbox.insert("seq", "k", "s", Some("{}"), None).await;
+    eventually("the first row arrives", Duration::from_secs(20), || async {
+        broker.count() >= 1
+    })
+    .await;
+    let sequence = format!("\"{}\".outbox_message_id_seq", outbox.schema);
+    outbox
+        .execute(&format!("ALTER SEQUENCE {sequence} CACHE 20"))
+        .await;
+    eventually(
+        "the relay names the sequence and the fix",
+        Duration::from_secs(30),
+        || {
+            let said =
+                relay.output().contains("ALTER SEQUENCE") && relay.output().contains("CACHE 1");
+            async move { said }
+        },
+    )
+    .await;
+    let second = outbox.insert("seq", "k", "s", Some("{}"), None).await;
+    outbox
+        .execute(&format!("ALTER SEQUENCE {sequence} CACHE 1"))
+        .await;
+    let committed = Committed::from([("seq".to_string(), vec![first, second])]);
+    assert_eq!(
+        check_history(&outbox, &broker, &committed, Duration::from_secs(40)).await,
+        0
+    );
+    drop(relay);
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
