@@ -1292,6 +1292,30 @@ async fn idle(duration: Duration, poll_ms: u64) -> (f64, f64, f64) {
     ((long_tx - short_tx) / polls, long_cpu - short_cpu, rss)
 }
 
+/// One row of `tenant` by `insert` (tenant, payload): autocommit, or with
+/// `held`, in a transaction held open that long after the insert.
+async fn write_row<T>(
+    client: &tokio_postgres::Client,
+    insert: &T,
+    tenant: &str,
+    payload: &str,
+    held: Option<Duration>,
+) where
+    T: tokio_postgres::ToStatement + ?Sized,
+{
+    if held.is_some() {
+        client.batch_execute("BEGIN").await.expect("begin");
+    }
+    client
+        .execute(insert, &[&tenant, &payload])
+        .await
+        .expect("insert");
+    if let Some(hold) = held {
+        tokio::time::sleep(hold).await;
+        client.batch_execute("COMMIT").await.expect("commit");
+    }
+}
+
 /// How the producers' table and sessions are set up (see `producers`).
 #[derive(Debug, Clone, Copy)]
 enum Producers {
@@ -1377,23 +1401,7 @@ async fn producers(setup: Producers, duration: Duration) -> f64 {
                     format!("t{:04}", w + WRITERS * (n % 10))
                 };
                 n += 1;
-                match held {
-                    None => {
-                        client
-                            .execute(&insert, &[&tenant, &payload])
-                            .await
-                            .expect("insert");
-                    }
-                    Some(hold) => {
-                        client.batch_execute("BEGIN").await.expect("begin");
-                        client
-                            .execute(&insert, &[&tenant, &payload])
-                            .await
-                            .expect("insert");
-                        tokio::time::sleep(hold).await;
-                        client.batch_execute("COMMIT").await.expect("commit");
-                    }
-                }
+                write_row(&client, &insert, &tenant, &payload, held).await;
                 rows += 1;
             }
             rows
@@ -1591,23 +1599,7 @@ async fn writer_cost(load: WriterLoad, relayed: bool, duration: Duration) -> (f6
                     WriterLoad::Spread => format!("t{:02}", (w + 16 * (n % 4)) % 64),
                 };
                 n += 1;
-                match held {
-                    None => {
-                        client
-                            .execute(&statement, &[&tenant, &payload])
-                            .await
-                            .expect("insert");
-                    }
-                    Some(hold) => {
-                        client.batch_execute("BEGIN").await.expect("begin");
-                        client
-                            .execute(&statement, &[&tenant, &payload])
-                            .await
-                            .expect("insert");
-                        tokio::time::sleep(hold).await;
-                        client.batch_execute("COMMIT").await.expect("commit");
-                    }
-                }
+                write_row(&client, &statement, &tenant, &payload, held).await;
                 rows += 1;
             }
             rows
