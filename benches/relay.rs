@@ -78,7 +78,7 @@
 //! earlier commit), BENCH_SCALE (the scale scenario's parts: drain, memory,
 //! trickle), BENCH_SCALE_RELAYS (its replica counts, `1,3,6`),
 //! BENCH_SCALE_LISTED (list the 10,000 names instead of `*`), plus OUTBOX_BATCH_SIZE,
-//! OUTBOX_MAX_IN_FLIGHT, OUTBOX_CONCURRENCY, OUTBOX_POLL_MS passed to the
+//! OUTBOX_MAX_IN_FLIGHT, OUTBOX_CONCURRENCY, OUTBOX_POLL_MS, OUTBOX_WAKEUP passed to the
 //! relays. Results: a table on stdout and `target/bench-relay.json`.
 
 use std::collections::BTreeMap;
@@ -776,6 +776,7 @@ impl RelayProcess {
                         | "OUTBOX_MAX_IN_FLIGHT"
                         | "OUTBOX_CONCURRENCY"
                         | "OUTBOX_POLL_MS"
+                        | "OUTBOX_WAKEUP"
                 )
             {
                 command.env_remove(name);

@@ -36,7 +36,7 @@ use crate::config::Wakeup;
 use crate::domain::Outcome;
 use crate::relay::{Relay, SweepFailure, SweepOutcome};
 use crate::shutdown::Shutdown;
-use crate::store::{self, Drift, Page, PendingTenant, StoreError, Writers};
+use crate::store::{self, Drift, Page, PendingTenant, StoreError, Watched, Writers};
 
 /// Where a tenant is in the schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -295,6 +295,19 @@ impl Schedule {
         }
     }
 
+    /// A read of the id sequence listed the tenant among those with rows
+    /// pending: an idle one is ready at once; any other stays as it is (a
+    /// running sweep reads the rows, or the read after it lists them again).
+    /// Returns whether it started a sweep.
+    pub fn listed(&mut self, tenant: usize) -> bool {
+        if self.states[tenant] != State::Idle {
+            return false;
+        }
+        self.states[tenant] = State::Ready;
+        self.push_fresh(tenant);
+        true
+    }
+
     /// The tenant's last sweep met writers in flight: it waits for the
     /// writers' check (a notification meanwhile changes nothing: the check
     /// readies it once they have ended).
@@ -311,12 +324,15 @@ impl Schedule {
     }
 
     /// The writers' check found every id of `tenant` up to `safe` committed
-    /// or gone: a deferred tenant is ready again.
+    /// or gone: a deferred tenant is ready again, ahead of the tenants that
+    /// became ready meanwhile (its rows have waited longer).
     pub fn cleared(&mut self, tenant: usize, safe: i64) {
         self.safe[tenant] = self.safe[tenant].max(safe);
         if self.states[tenant] == State::Deferred {
             self.states[tenant] = State::Ready;
-            self.push_fresh(tenant);
+            self.enqueued[tenant] = self.queued;
+            self.queued += 1;
+            self.fresh.push_front(tenant);
         }
     }
 
@@ -527,13 +543,18 @@ pub const LOCKS_CHECK_MIN: Duration = Duration::from_millis(5);
 pub const WRITERS_CHECK_MAX: Duration = Duration::from_millis(100);
 
 /// `wakeup = sequence`: while rows flow, the id sequence's position is read
-/// this often, and a move asks for a poll ...
+/// this often, and a move (and the read after one) lists the tenants with
+/// rows pending among the ids drawn since the position of [`WATCH_WINDOW`]
+/// ago, the last [`WATCH_SPAN`] at most; they are readied as a notification
+/// would ready them ...
 pub const WATCH_TICK: Duration = Duration::from_millis(5);
+pub const WATCH_WINDOW: Duration = Duration::from_millis(100);
+pub const WATCH_SPAN: i64 = 1024;
 /// ... until it has stood still this long with nothing to sweep: then the
 /// relay asks writers for a notification again (the wake-up lock) and waits.
 pub const WATCH_QUIET: Duration = Duration::from_millis(100);
 
-type PositionRead = Pin<Box<dyn Future<Output = Result<i64, StoreError>> + Send>>;
+type PositionRead = Pin<Box<dyn Future<Output = Result<Watched, StoreError>> + Send>>;
 type GlobalCheck = Pin<Box<dyn Future<Output = Result<Writers, StoreError>> + Send>>;
 
 /// `wakeup = sequence`: whether the relay watches the id sequence (rows
@@ -544,6 +565,9 @@ struct Watch {
     /// The position last read, and whether that read saw it move.
     position: i64,
     moved: bool,
+    /// The positions read in the last [`WATCH_WINDOW`], and the newest
+    /// before it: where the lists of pending tenants start.
+    history: VecDeque<(Instant, i64)>,
     /// The last sign of rows flowing.
     active_at: Instant,
     next_tick: Instant,
@@ -723,6 +747,7 @@ impl Scheduler {
                 watching: false,
                 position: 0,
                 moved: false,
+                history: VecDeque::new(),
                 active_at: Instant::now(),
                 next_tick: Instant::now(),
                 tick: None,
@@ -741,6 +766,7 @@ impl Scheduler {
         self.watch.active_at = now;
         if !self.watch.watching {
             self.watch.watching = true;
+            self.watch.history.clear();
             self.watch.next_tick = now + WATCH_TICK;
             self.relay.wakeups.want_notifications(false);
         }
@@ -764,30 +790,53 @@ impl Scheduler {
         }
         if now >= self.watch.next_tick {
             let relay = self.relay.clone();
-            self.watch.tick = Some(Box::pin(async move { relay.store.position().await }));
+            let (watched, moved) = (self.watch.position, self.watch.moved);
+            let since = self
+                .watch
+                .history
+                .front()
+                .map_or(0, |&(_, position)| position);
+            self.watch.tick = Some(Box::pin(async move {
+                relay.store.watch(watched, moved, since, WATCH_SPAN).await
+            }));
             return None;
         }
         Some(self.watch.next_tick)
     }
 
-    /// The id sequence's position was read: a move (or the read after one:
-    /// a row's commit follows its draw) asks for a poll now.
-    fn position_read(&mut self, read: Result<i64, StoreError>) {
+    /// The id sequence's position was read: on a move (or the read after
+    /// one: a row's commit follows its draw) the read listed the tenants
+    /// with rows pending, and each is readied as a notification would be.
+    fn position_read(&mut self, read: Result<Watched, StoreError>) {
         let now = Instant::now();
         self.watch.next_tick = now + WATCH_TICK;
-        let Ok(position) = read else {
+        let Ok(Watched { position, tenants }) = read else {
             self.watch.next_tick = now + self.relay.config.poll_interval();
             return;
         };
         let moved = position != self.watch.position;
-        if moved || self.watch.moved {
-            self.next_poll = self.next_poll.min(now);
-        }
         if moved {
             self.watch.position = position;
             self.watch.active_at = now;
         }
         self.watch.moved = moved;
+        let history = &mut self.watch.history;
+        history.push_back((now, position));
+        while history.len() > 1 && history[1].0 + WATCH_WINDOW <= now {
+            history.pop_front();
+        }
+        // Listed tenants this relay owns are swept at once if idle. One
+        // being swept is not asked for a follow-up (the rows listed are
+        // mostly those its sweep reads): when a sweep ends, the next read
+        // lists again.
+        for name in tenants.into_iter().flatten() {
+            if let Some(tenant) = self.schedule.tenant(&name)
+                && self.relay.wakeups.sweeps_at_once(&name, &self.members)
+                && self.schedule.listed(tenant)
+            {
+                self.relay.metrics.count_wakeup();
+            }
+        }
     }
 
     /// Starts what is due: the poll, tenants whose back-off is over, sweeps
@@ -932,7 +981,13 @@ impl Scheduler {
         if !woken.tenants.is_empty() {
             self.active(now);
         }
-        for name in woken.tenants {
+        self.wake_tenants(woken.tenants);
+    }
+
+    /// Notified tenants: each one this relay owns is swept at once if idle,
+    /// or once more after its running sweep.
+    fn wake_tenants(&mut self, names: Vec<String>) {
+        for name in names {
             let Some(tenant) = self.schedule.tenant(&name) else {
                 continue;
             };
@@ -958,6 +1013,9 @@ impl Scheduler {
         };
         let name = self.schedule.name(tenant).clone();
         report(&name, &outcome);
+        // Rows committed during the sweep: the next read of the id sequence
+        // lists the pending tenants (see `position_read`).
+        self.watch.moved = true;
         if let SweepOutcome::Published { rows }
         | SweepOutcome::Idle { rows }
         | SweepOutcome::Deferred { rows, .. } = outcome
@@ -989,7 +1047,9 @@ impl Scheduler {
                     holders: Vec::new(),
                     since: now,
                 });
-                self.next_check = self.next_check.min(now + WRITERS_CHECK_MIN);
+                // The writers met at the claim have had the sweep's publish
+                // and settle to end: the check is due at once.
+                self.next_check = self.next_check.min(now);
                 return;
             }
             SweepOutcome::Idle { .. } if self.candidates.remove(&tenant).is_some() => {

@@ -80,7 +80,7 @@ const SEQUENCE: &str = include_str!("store/sequence.sql");
 const WRITERS: &str = include_str!("store/writers.sql");
 const WRITERS_FREE: &str = include_str!("store/writers_free.sql");
 /// Where the id sequence stands (see [`Store::position`]); $1 = its oid.
-const POSITION: &str = "SELECT COALESCE(pg_sequence_last_value($1::bigint::oid::regclass), 0)";
+const WATCH: &str = include_str!("store/watch.sql");
 
 mod columns;
 
@@ -289,6 +289,7 @@ struct Statements {
     unmark_published: String,
     record_refusal: String,
     pending_tenants: String,
+    watch: String,
     tenant_lag: String,
     tenant_status: String,
     requeue: String,
@@ -316,6 +317,7 @@ impl Statements {
             unmark_published: sql(UNMARK_PUBLISHED),
             record_refusal: sql(RECORD_REFUSAL),
             pending_tenants: sql(PENDING_TENANTS),
+            watch: sql(WATCH),
             tenant_lag: sql(TENANT_LAG),
             tenant_status: sql(TENANT_STATUS),
             requeue: sql(REQUEUE),
@@ -382,6 +384,15 @@ pub struct Store {
 
 /// Not checked yet (see [`Store::check_sequence`]).
 const SEQUENCE_UNKNOWN: i64 = -1;
+
+/// What a read of the id sequence found (see [`Store::watch`]).
+#[derive(Debug, Default)]
+pub struct Watched {
+    pub position: i64,
+    /// The tenants with rows pending, when the position moved (or had moved
+    /// at the read before).
+    pub tenants: Option<Vec<String>>,
+}
 
 /// What the writers' check found (see `store/writers.sql`).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -902,19 +913,36 @@ impl Store {
         Ok(oid)
     }
 
-    /// Where the id sequence stands (0 when the table has none): the wake-up
-    /// watches it while rows flow (`wakeup = sequence`).
-    pub async fn position(&self) -> Result<i64, StoreError> {
+    /// Where the id sequence stands (0 when the table has none), and, when
+    /// it moved since `watched` (or `moved` says the last read saw it move),
+    /// the tenants with rows pending among the ids after `since`, the last
+    /// `span` at most: the wake-up watches the sequence while rows flow
+    /// (`wakeup = sequence`, see `store/watch.sql`).
+    pub async fn watch(
+        &self,
+        watched: i64,
+        moved: bool,
+        since: i64,
+        span: i64,
+    ) -> Result<Watched, StoreError> {
         let sequence = self.sequence().await?;
-        if sequence == 0 {
-            return Ok(0);
-        }
         let found = self
             .query_all(
-                "the id sequence's position",
-                POSITION,
-                &[(&sequence, Type::INT8)],
-                |row| row.try_get::<_, i64>(0),
+                "the id sequence's watch",
+                &self.statements().watch,
+                &[
+                    (&sequence, Type::INT8),
+                    (&watched, Type::INT8),
+                    (&moved, Type::BOOL),
+                    (&since, Type::INT8),
+                    (&span, Type::INT8),
+                ],
+                |row| {
+                    Ok(Watched {
+                        position: row.try_get(0)?,
+                        tenants: row.try_get::<_, Option<Vec<String>>>(1)?,
+                    })
+                },
             )
             .await?;
         Ok(found.into_iter().next().unwrap_or_default())

@@ -1,5 +1,5 @@
-//! The wake-up (`wakeup = notify`): a committed row reaches the broker long
-//! before the next poll; the LISTEN connection recovers from a terminated
+//! The wake-up: a committed row reaches the broker long before the next
+//! poll, by a notification or, while rows flow, by the id sequence; the LISTEN connection recovers from a terminated
 //! backend with nothing lost; `wakeup = poll` and writers that switch
 //! notifications off are carried by the poll; replicas do not all reach for
 //! a notified tenant.
@@ -442,6 +442,83 @@ async fn a_lone_transaction_on_a_quiet_table_wakes_the_relay_at_its_commit() {
     relay.stop().await;
     let ids: Vec<i64> = broker.received().iter().map(|r| r.id).collect();
     assert_eq!(ids, committed);
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_rows_flow_the_relay_finds_them_by_the_id_sequence_with_no_notification() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let tenants = ["acme", "globex", "initech"];
+    let mut config = config(&outbox, &broker, &tenants);
+    config.poll_ms = NO_POLL_MS;
+    let relay = start_relay(config).await;
+    until_listening(&relay).await;
+    let sql = format!(
+        "INSERT INTO {} (tenant_id, kind, subject_id, payload) VALUES ($1, 'k', 's', '{{}}') RETURNING id",
+        outbox.qualified()
+    );
+    let mut committed: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+    // The first row notifies (the quiet relay waits for one) and the relay
+    // starts watching; every later writer has notifications off, so with a
+    // poll a minute away only the id sequence can find their rows.
+    let first = outbox.insert("acme", "k", "s", Some("{}"), None).await;
+    committed.entry("acme".into()).or_default().push(first);
+    let mut writer = pg_client().await;
+    writer
+        .batch_execute("SET outbox_relay.notify = off")
+        .await
+        .unwrap();
+    let late = pg_client().await;
+    late.batch_execute("SET outbox_relay.notify = off; BEGIN")
+        .await
+        .unwrap();
+    // Rows go on being written every 5 ms (the relay never sees the table
+    // quiet, which would have it poll) until a tenant that wrote one row
+    // only, mid-flow, and a transaction that drew its id and committed 30 ms
+    // later, while others went on, have both arrived.
+    let mut late_id = None;
+    let mut solo_id = None;
+    let mut n = 0;
+    let arrived = |ids: &[Option<i64>]| {
+        let received: Vec<i64> = broker.received().iter().map(|r| r.id).collect();
+        ids.iter()
+            .all(|id| id.is_some_and(|id| received.contains(&id)))
+    };
+    while !arrived(&[late_id, solo_id]) {
+        assert!(
+            n < 2_000,
+            "the rows written while others flow did not arrive in {n} rows' time"
+        );
+        let tenant = if n == 20 { "initech" } else { tenants[n % 2] };
+        let tx = writer.transaction().await.unwrap();
+        let id: i64 = tx.query_one(&sql, &[&tenant]).await.unwrap().get(0);
+        tx.commit().await.unwrap();
+        committed.entry(tenant.into()).or_default().push(id);
+        if n == 20 {
+            solo_id = Some(id);
+        }
+        if n == 10 {
+            late_id = Some(
+                late.query_one(&sql, &[&"globex"])
+                    .await
+                    .unwrap()
+                    .get::<_, i64>(0),
+            );
+        }
+        if n == 16 {
+            late.batch_execute("COMMIT").await.unwrap();
+        }
+        n += 1;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let globex = committed.get_mut("globex").unwrap();
+    globex.extend(late_id);
+    globex.sort_unstable();
+    // Every row arrives, each tenant's in order, long before the poll.
+    check_history(&outbox, &broker, &committed, Duration::from_secs(20)).await;
+    relay.stop().await;
     broker.delete().await;
     outbox.drop_schema().await;
 }
