@@ -64,10 +64,16 @@
 //!    rows published an hour ago, with retention deleting them meanwhile and
 //!    without: rows/s.
 //!
+//! 9. scrape — one relay with the 10,000 scale tenants (each relayed a
+//!    row, so each has its series) and a probe tenant writing a row every
+//!    25 ms for BENCH_STEADY_SECS, once alone and once beside two scrapers
+//!    of `/metrics` back to back (gzip): the scrape's median time, the
+//!    probe's p99 delay (commit returned to arrival) without and with them.
+//!
 //! Knobs (environment): BENCH_ROWS (100000), BENCH_RUNS (3), BENCH_RATE
 //! (1000 rows/s), BENCH_STEADY_SECS (20), BENCH_IDLE_SECS (10), BENCH_ONLY
 //! (comma-separated scenario names: ceiling, drain, steady, latency,
-//! producers, hot, memory, idle, drain4k, scale, retention), BENCH_DRAIN (drain shapes, of 256 B
+//! producers, hot, memory, idle, drain4k, scale, retention, scrape), BENCH_DRAIN (drain shapes, of 256 B
 //! and 4 KiB alike, e.g. `100x3,1x1,1x1/backlog`), BENCH_RELAY_LOG (the
 //! relays' log filter, their logs on stdout: `outbox_relay::relay=debug`
 //! gives each sweep's claim, publish and settle times), BENCH_VERBOSE (per run: rates, CPU
@@ -2033,6 +2039,124 @@ async fn scale_memory() -> [f64; 4] {
     [idle, scraped, active, active_scraped]
 }
 
+/// One gzip scrape of `/metrics` at `addr`, as Prometheus asks for it:
+/// how long it took, ms (NaN when it failed).
+async fn scrape_gzip(addr: &str) -> f64 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let started = Instant::now();
+    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+        return f64::NAN;
+    };
+    let request = "GET /metrics HTTP/1.1\r\nHost: relay\r\nAccept: text/plain;version=0.0.4\r\n\
+                   Accept-Encoding: gzip\r\nConnection: close\r\n\r\n";
+    if stream.write_all(request.as_bytes()).await.is_err() {
+        return f64::NAN;
+    }
+    let mut body = Vec::new();
+    let _ = stream.read_to_end(&mut body).await;
+    if !body.starts_with(b"HTTP/1.1 200") {
+        return f64::NAN;
+    }
+    started.elapsed().as_secs_f64() * 1000.0
+}
+
+/// Scrapes beside delivery: one relay lists the 10,000 scale tenants and a
+/// probe tenant, and each tenant relays a row first (so each has its
+/// series). Then the probe writes a row every 25 ms for `duration`, once
+/// with no scraper and once with two scrapers back to back (gzip). Returns
+/// the scrapes' times and the probe's delays (commit returned to arrival)
+/// without and with the scrapers, ms.
+async fn scrape_beside_delivery(duration: Duration) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let table = Table::create().await;
+    let exchange = Exchange::create(true).await;
+    let (hot, cold) = scale_tenants();
+    let mut names: Vec<String> = hot.into_iter().chain(cold).collect();
+    names.push("probe".into());
+    let addr = "127.0.0.1:19491".to_string();
+    let relay = RelayProcess::spawn_on(&table, &exchange, &names, &addr);
+    table.fill(&names, names.len() as u64, 256).await;
+    assert!(
+        exchange
+            .wait_for(names.len(), Duration::from_secs(120))
+            .await,
+        "scrape: every tenant's row arrives"
+    );
+    let writer = pg(DATABASE_URL).await;
+    let insert = writer
+        .prepare(&format!(
+            "INSERT INTO {} (tenant_id, kind, subject_id, payload) VALUES ('probe', 'thing.changed', 's', $1) RETURNING id",
+            table.qualified()
+        ))
+        .await
+        .expect("prepare");
+    let payload = "x".repeat(256);
+    let probe = |scrapers: usize| {
+        let (writer, insert, payload, addr) = (&writer, &insert, &payload, &addr);
+        async move {
+            let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let scraping: Vec<_> = (0..scrapers)
+                .map(|_| {
+                    let (stop, addr) = (stop.clone(), addr.clone());
+                    tokio::spawn(async move {
+                        let mut took = Vec::new();
+                        while !stop.load(Ordering::Relaxed) {
+                            took.push(scrape_gzip(&addr).await);
+                        }
+                        took
+                    })
+                })
+                .collect();
+            let started = tokio::time::Instant::now();
+            let mut committed = Vec::new();
+            let mut n = 0u32;
+            while started.elapsed() < duration {
+                tokio::time::sleep_until(started + Duration::from_millis(25) * n).await;
+                let id: i64 = writer
+                    .query_one(insert, &[payload])
+                    .await
+                    .expect("probe insert")
+                    .get(0);
+                committed.push((id, Instant::now()));
+                n += 1;
+            }
+            stop.store(true, Ordering::Relaxed);
+            let mut took = Vec::new();
+            for scraper in scraping {
+                took.extend(scraper.await.expect("scraper"));
+            }
+            (committed, took)
+        }
+    };
+    let (quiet, _) = probe(0).await;
+    let (scraped, took) = probe(2).await;
+    let total = names.len() + quiet.len() + scraped.len();
+    assert!(
+        exchange.wait_for(total, Duration::from_secs(60)).await,
+        "scrape: every probe row arrives"
+    );
+    relay.stop();
+    let at: std::collections::HashMap<i64, Instant> = exchange
+        .arrivals
+        .lock()
+        .unwrap()
+        .arrived
+        .iter()
+        .copied()
+        .collect();
+    let delays = |committed: &[(i64, Instant)]| -> Vec<f64> {
+        committed
+            .iter()
+            .filter_map(|(id, commit)| {
+                Some(at.get(id)?.saturating_duration_since(*commit).as_secs_f64() * 1000.0)
+            })
+            .collect()
+    };
+    let (quiet, scraped) = (delays(&quiet), delays(&scraped));
+    exchange.delete().await;
+    table.drop().await;
+    (took, quiet, scraped)
+}
+
 /// A writer at 500 rows/s over the 10,000 tenants for `duration`, into 3
 /// relays (`tenants = "*"`) with `wakeup`: delays in ms from `occurred_at`
 /// to receipt.
@@ -2451,6 +2575,53 @@ async fn main() {
 
     if knobs.wants("scale") {
         scale(&mut report, &knobs).await;
+    }
+    if knobs.wants("scrape") {
+        // `/metrics` never slows delivery: 10,000 tenants with their series.
+        let mut took = Figure { runs: Vec::new() };
+        let mut quiet = Figure { runs: Vec::new() };
+        let mut scraped = Figure { runs: Vec::new() };
+        let mut scraped_p50 = Figure { runs: Vec::new() };
+        let mut scrapes = Figure { runs: Vec::new() };
+        for _ in 0..runs {
+            let (mut t, mut q, mut s) = scrape_beside_delivery(knobs.steady).await;
+            let failed = t.iter().filter(|t| t.is_nan()).count();
+            assert_eq!(failed, 0, "scrape: {failed} scrapes failed");
+            for v in [&mut t, &mut q, &mut s] {
+                v.sort_by(|a, b| a.total_cmp(b));
+            }
+            took.runs.push(percentile(&t, 50.0));
+            scrapes.runs.push(t.len() as f64);
+            quiet.runs.push(percentile(&q, 99.0));
+            scraped.runs.push(percentile(&s, 99.0));
+            scraped_p50.runs.push(percentile(&s, 50.0));
+        }
+        let name = "scrape, 10,000 tenants with series";
+        report.add(
+            &format!("{name}: gzip scrape p50"),
+            "ms",
+            &took,
+            Some(("target 30 ms", 30.0)),
+        );
+        report.add(&format!("{name}: scrapes (2 scrapers)"), "", &scrapes, None);
+        report.add(
+            &format!("{name}: probe p99, no scraper"),
+            "ms",
+            &quiet,
+            None,
+        );
+        report.add(
+            &format!("{name}: probe p50, 2 scrapers"),
+            "ms",
+            &scraped_p50,
+            None,
+        );
+        report.add(
+            &format!("{name}: probe p99, 2 scrapers"),
+            "ms",
+            &scraped,
+            Some(("target 50 ms", 50.0)),
+        );
     }
     if knobs.wants("retention") {
         let duration = Duration::from_secs(env_num("BENCH_RETENTION_SECS", 60));
