@@ -35,6 +35,7 @@ use tokio::task::{AbortHandle, JoinSet};
 
 use crate::metrics::Metrics;
 use crate::relay::Relay;
+use crate::shutdown::Shutdown;
 use crate::store::TenantLag;
 
 /// The scheduler turns at least once per poll interval; a heartbeat older than
@@ -305,7 +306,8 @@ struct Endpoints {
     renders: Arc<Renders>,
 }
 
-/// The router, for [`serve`] or an in-process test.
+/// The router, for [`serve`] or an in-process test. Built on the relay's
+/// runtime: the database work of `/healthz` runs there.
 pub fn router(relay: Arc<Relay>) -> Router {
     Router::new()
         .route("/healthz", get(healthz))
@@ -314,9 +316,79 @@ pub fn router(relay: Arc<Relay>) -> Router {
         .route("/metrics", get(metrics))
         .with_state(Endpoints {
             relay,
-            lag: Arc::new(LagRounds::default()),
+            lag: Arc::new(LagRounds {
+                current: Mutex::default(),
+                runtime: tokio::runtime::Handle::try_current().ok(),
+            }),
             renders: Arc::new(Renders::default()),
         })
+}
+
+/// Serves `app` on `listener` (see [`serve`]) on a thread of its own, with
+/// a runtime of its own, until `stop` fires: scrapes, probes and whatever
+/// other clients do are never work on the thread that sweeps, and the
+/// operating system shares the cores between the two. Should that thread
+/// not start, a task on the caller's runtime serves instead. The returned
+/// future ends when the server has.
+pub fn serve_apart(
+    listener: TcpListener,
+    app: Router,
+    limits: Limits,
+    stop: Shutdown,
+) -> BoxFuture<'static, ()> {
+    let listener = match listener.into_std() {
+        Ok(listener) => listener,
+        Err(error) => {
+            tracing::error!(%error, "cannot serve HTTP");
+            return async {}.boxed();
+        }
+    };
+    match start_thread(&listener, app.clone(), limits, stop.clone()) {
+        Ok(ended) => ended.boxed(),
+        Err(error) => {
+            tracing::warn!(%error, "no thread for HTTP: it is served on the relay's runtime");
+            match TcpListener::from_std(listener) {
+                Ok(listener) => {
+                    let served = tokio::spawn(serve(listener, app, limits, stop.fired()));
+                    async move {
+                        let _ = served.await;
+                    }
+                    .boxed()
+                }
+                Err(error) => {
+                    tracing::error!(%error, "cannot serve HTTP");
+                    async {}.boxed()
+                }
+            }
+        }
+    }
+}
+
+fn start_thread(
+    listener: &std::net::TcpListener,
+    app: Router,
+    limits: Limits,
+    stop: Shutdown,
+) -> std::io::Result<impl Future<Output = ()> + Send + 'static> {
+    let listener = listener.try_clone()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (done, ended) = tokio::sync::oneshot::channel::<()>();
+    std::thread::Builder::new()
+        .name("outbox-relay-http".into())
+        .spawn(move || {
+            runtime.block_on(async move {
+                match TcpListener::from_std(listener) {
+                    Ok(listener) => serve(listener, app, limits, stop.fired()).await,
+                    Err(error) => tracing::error!(%error, "cannot serve HTTP"),
+                }
+            });
+            let _ = done.send(());
+        })?;
+    Ok(async move {
+        let _ = ended.await;
+    })
 }
 
 /// One round of the lag query: its rows, or the error's text.
@@ -329,6 +401,10 @@ type LagResult = Result<Arc<Vec<TenantLag>>, Arc<str>>;
 #[derive(Default)]
 pub struct LagRounds {
     current: Mutex<Option<Shared<BoxFuture<'static, LagResult>>>>,
+    /// Where the rounds run: the relay's runtime, whose pool they use (the
+    /// HTTP server has a thread and a runtime of its own; see
+    /// [`serve_apart`]). None: the caller's.
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 impl LagRounds {
@@ -344,7 +420,10 @@ impl LagRounds {
                 _ => {
                     // Its own task: a caller that gives up does not cancel the
                     // query half-way for the others.
-                    let task = tokio::spawn(start());
+                    let task = match &self.runtime {
+                        Some(runtime) => runtime.spawn(start()),
+                        None => tokio::spawn(start()),
+                    };
                     let round = async move {
                         task.await.unwrap_or_else(|error| {
                             Err(Arc::from(format!(

@@ -135,11 +135,12 @@ pub async fn serve(
     // the HTTP endpoints stay up until it has.
     let (stop_scheduler, scheduler_stop) = shutdown::channel();
     let (stop_rest, rest_stop) = shutdown::channel();
-    let http = tokio::spawn({
-        let app = http::router(relay.clone());
-        let stop = rest_stop.clone();
-        async move { http::serve(listener, app, http::Limits::DEFAULT, stop.fired()).await }
-    });
+    let http = http::serve_apart(
+        listener,
+        http::router(relay.clone()),
+        http::Limits::DEFAULT,
+        rest_stop.clone(),
+    );
     let broker = tokio::spawn(relay.publisher.clone().supervise(rest_stop.clone().fired()));
     let connected_gauge = tokio::spawn(mirror_connected(relay.clone()));
     let endpoint_gauge = tokio::spawn(mirror_endpoint(relay.clone()));
