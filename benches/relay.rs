@@ -2605,14 +2605,19 @@ async fn main() {
         }
         let name = "scrape, 10,000 tenants with series";
         report.add(
-            &format!("{name}: gzip scrape p50"),
+            &format!("{name}: gzip scrape p50 (rendered)"),
             "ms",
             &took,
             Some(("target 30 ms", 30.0)),
         );
-        report.add(&format!("{name}: scrapes (2 scrapers)"), "", &scrapes, None);
         report.add(
-            &format!("{name}: probe p99, no scraper"),
+            &format!("{name}: scrapes (1 every 1.5 s)"),
+            "",
+            &scrapes,
+            None,
+        );
+        report.add(
+            &format!("{name}: probe p99, 1 scraper every 1.5 s"),
             "ms",
             &quiet,
             None,
