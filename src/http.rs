@@ -594,6 +594,7 @@ async fn metrics(
         "text/plain; version=0.0.4; charset=utf-8",
     );
     let gzip = accepts_gzip(&headers);
+    renders.turn().await;
     let Some(body) = renders.body(&relay.metrics, gzip).await else {
         return (
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -639,9 +640,30 @@ type Render = (
 struct Renders {
     text: Mutex<Option<Render>>,
     gzip: Mutex<Option<Render>>,
+    /// When the next scrape may be answered (see [`SCRAPE_EVERY`]).
+    next: Mutex<Option<tokio::time::Instant>>,
 }
 
+/// Scrapes are answered at most this often, however many scrapers ask: one
+/// that comes sooner waits its turn. A body served from a render that was
+/// shared costs little, but scrapers back to back would ask for thousands a
+/// second, and on a small machine that CPU is taken from delivery. A
+/// Prometheus scrapes every few seconds and never notices.
+pub const SCRAPE_EVERY: Duration = Duration::from_millis(50);
+
 impl Renders {
+    /// Waits for this scrape's turn (see [`SCRAPE_EVERY`]).
+    async fn turn(&self) {
+        let at = {
+            let mut next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
+            let now = tokio::time::Instant::now();
+            let at = next.map_or(now, |next| next.max(now));
+            *next = Some(at + SCRAPE_EVERY);
+            at
+        };
+        tokio::time::sleep_until(at).await;
+    }
+
     async fn body(&self, metrics: &Metrics, gzip: bool) -> Option<Bytes> {
         let current = if gzip { &self.gzip } else { &self.text };
         let round = {
@@ -783,6 +805,27 @@ mod tests {
             !Renders::shared(ago(251), Some(&body(1_000))),
             "never past SCRAPE_REUSE_MAX"
         );
+    }
+
+    #[tokio::test]
+    async fn scrapes_take_turns_at_most_one_per_scrape_every() {
+        let renders = Renders::default();
+        let started = tokio::time::Instant::now();
+        let mut answered = Vec::new();
+        for _ in 0..4 {
+            renders.turn().await;
+            answered.push(started.elapsed());
+        }
+        // A timer never fires early: each turn comes SCRAPE_EVERY or more
+        // after the one before.
+        for pair in answered.windows(2) {
+            assert!(pair[1] - pair[0] >= SCRAPE_EVERY, "{answered:?}");
+        }
+        // After a pause the next one has its turn at once: it waits for no
+        // sleep (the turn is now or already past).
+        tokio::time::sleep(SCRAPE_EVERY * 2).await;
+        let next = *renders.next.lock().unwrap();
+        assert!(next.is_some_and(|next| next <= tokio::time::Instant::now()));
     }
 
     #[test]
