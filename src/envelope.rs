@@ -177,6 +177,56 @@ impl Envelope {
     }
 }
 
+/// The trace context headers (W3C): a row's own pass through unchanged,
+/// unless the relay's span replaces them (see [`with_trace_context`]).
+pub const TRACEPARENT: &str = "traceparent";
+pub const TRACESTATE: &str = "tracestate";
+
+/// The row's `traceparent` and `tracestate` among the message's headers,
+/// when they are strings.
+pub fn trace_context(properties: &BasicProperties) -> (Option<&str>, Option<&str>) {
+    let text = |name: &str| match properties.headers().as_ref()?.inner().get(name)? {
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
+        _ => None,
+    };
+    (text(TRACEPARENT), text(TRACESTATE))
+}
+
+/// `message` carrying `traceparent` (and `tracestate`, or none if it is
+/// empty) instead of the row's own: the relay's span. Kept as it was if the
+/// properties would no longer fit one frame of `frame_max`.
+pub fn with_trace_context(
+    message: Message,
+    traceparent: &str,
+    tracestate: &str,
+    frame_max: u32,
+) -> Message {
+    let mut headers = message
+        .properties
+        .headers()
+        .as_ref()
+        .map(|table| table.inner().clone())
+        .unwrap_or_default();
+    headers.insert(TRACEPARENT.into(), long_string(traceparent));
+    if tracestate.is_empty() {
+        // The row's own belonged to another trace context, or to none.
+        headers.remove(TRACESTATE);
+    } else {
+        headers.insert(TRACESTATE.into(), long_string(tracestate));
+    }
+    let properties = message
+        .properties
+        .clone()
+        .with_headers(FieldTable::from(headers));
+    if fits_one_frame(&properties, frame_max).is_err() {
+        return message;
+    }
+    Message {
+        properties,
+        ..message
+    }
+}
+
 /// The size of the content header frame that carries `properties`, encoded
 /// by the AMQP library exactly as it will be sent.
 pub fn content_header_frame_len(properties: &BasicProperties) -> Result<usize, Refusal> {
