@@ -235,9 +235,9 @@ fn main() -> ExitCode {
     });
     if let Some(exporting) = exporting {
         // What is left of the grace period, on a thread of its own.
-        let left = signalled
-            .get()
-            .map_or(grace, |at: &std::time::Instant| grace.saturating_sub(at.elapsed()));
+        let left = signalled.get().map_or(grace, |at: &std::time::Instant| {
+            grace.saturating_sub(at.elapsed())
+        });
         exporting.shutdown(left);
     }
     report_exit(result)

@@ -724,7 +724,13 @@ impl Publishing<'_> {
             let Some(span) = span else { continue };
             let refusal = refusal.map(|(at, refusal)| (*at == index, refusal));
             let confirmed_at = confirmed.get(index).copied().flatten();
-            spans::end(span, self.tenant, self.rows[index].id, confirmed_at, refusal);
+            spans::end(
+                span,
+                self.tenant,
+                self.rows[index].id,
+                confirmed_at,
+                refusal,
+            );
         }
     }
 

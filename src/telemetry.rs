@@ -12,7 +12,9 @@ use std::io::IsTerminal;
 
 use tracing::{Event, Level, Metadata, Subscriber};
 use tracing_subscriber::filter::{EnvFilter, filter_fn};
-use tracing_subscriber::fmt::format::{Format, FormatEvent, FormatFields, Json, JsonFields, Writer};
+use tracing_subscriber::fmt::format::{
+    Format, FormatEvent, FormatFields, Json, JsonFields, Writer,
+};
 use tracing_subscriber::fmt::{FmtContext, FormattedFields};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::registry::LookupSpan;

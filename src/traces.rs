@@ -206,9 +206,12 @@ impl PublishSpan {
     /// hex as the exporter writes them. `None` when the span is not sampled.
     pub fn ids(&self) -> Option<(String, String)> {
         let context = self.context();
-        context
-            .is_sampled()
-            .then(|| (context.trace_id().to_string(), context.span_id().to_string()))
+        context.is_sampled().then(|| {
+            (
+                context.trace_id().to_string(),
+                context.span_id().to_string(),
+            )
+        })
     }
 
     /// The broker confirmed the row at `at`.

@@ -110,7 +110,8 @@ pub(super) fn refused(span: PublishSpan, tenant: &str, row_id: i64, refusal: &Re
             "publish",
             trace_id = trace_id.as_str(),
             span_id = span_id.as_str()
-        ).entered();
+        )
+        .entered();
         tracing::warn!(
             tenant,
             row = row_id,

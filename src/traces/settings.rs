@@ -113,13 +113,20 @@ impl Settings {
     /// Reads the variables through `get` (an empty value counts as unset).
     /// Every variable set is checked, whether tracing is on or not.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Settings, SettingsError> {
-        let get = |name: &str| get(name).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+        let get = |name: &str| {
+            get(name)
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty())
+        };
         let disabled = match get(SDK_DISABLED).map(|v| v.to_ascii_lowercase()).as_deref() {
             None | Some("false") => false,
             Some("true") => true,
             Some(_) => return Err(error(SDK_DISABLED, "must be true or false")),
         };
-        let exporter_none = match get(TRACES_EXPORTER).map(|v| v.to_ascii_lowercase()).as_deref() {
+        let exporter_none = match get(TRACES_EXPORTER)
+            .map(|v| v.to_ascii_lowercase())
+            .as_deref()
+        {
             None | Some("otlp") => false,
             Some("none") => true,
             Some(other) => {
@@ -436,7 +443,10 @@ mod tests {
         let endpoint = (ENDPOINT, "http://collector:4318");
         for (vars, variable) in [
             (vec![endpoint, (PROTOCOL, "grpc")], PROTOCOL),
-            (vec![endpoint, (TRACES_PROTOCOL, "http/json")], TRACES_PROTOCOL),
+            (
+                vec![endpoint, (TRACES_PROTOCOL, "http/json")],
+                TRACES_PROTOCOL,
+            ),
             (vec![(ENDPOINT, "https://collector:4318")], ENDPOINT),
             (vec![(TRACES_ENDPOINT, "collector:4318")], TRACES_ENDPOINT),
             (vec![endpoint, (TIMEOUT, "10s")], TIMEOUT),
@@ -450,7 +460,10 @@ mod tests {
             (vec![endpoint, (SDK_DISABLED, "yes")], SDK_DISABLED),
             (vec![endpoint, (TRACES_EXPORTER, "zipkin")], TRACES_EXPORTER),
             (vec![endpoint, (HEADERS, "authorization")], HEADERS),
-            (vec![endpoint, (RESOURCE_ATTRIBUTES, "a=1,b")], RESOURCE_ATTRIBUTES),
+            (
+                vec![endpoint, (RESOURCE_ATTRIBUTES, "a=1,b")],
+                RESOURCE_ATTRIBUTES,
+            ),
             // Checked even with tracing off.
             (vec![(PROTOCOL, "grpc")], PROTOCOL),
         ] {
@@ -474,8 +487,14 @@ mod tests {
             ]
         );
         let shown = Settings::On(export).render();
-        assert!(shown.contains("authorization, x-tenant (values not shown)"), "{shown}");
-        assert!(!shown.contains("c2VjcmV0") && !shown.contains("ops\""), "{shown}");
+        assert!(
+            shown.contains("authorization, x-tenant (values not shown)"),
+            "{shown}"
+        );
+        assert!(
+            !shown.contains("c2VjcmV0") && !shown.contains("ops\""),
+            "{shown}"
+        );
         let bad = read(&[
             (ENDPOINT, "http://collector:4318"),
             (HEADERS, "authorization=secret%0A"),
@@ -489,7 +508,10 @@ mod tests {
         let endpoint = (ENDPOINT, "http://collector:4318");
         let export = on(&[
             endpoint,
-            (RESOURCE_ATTRIBUTES, "service.name=billing-relay,deployment.environment=prod"),
+            (
+                RESOURCE_ATTRIBUTES,
+                "service.name=billing-relay,deployment.environment=prod",
+            ),
         ]);
         assert_eq!(export.service_name, "billing-relay");
         assert_eq!(
@@ -508,7 +530,12 @@ mod tests {
     fn samplers() {
         let endpoint = (ENDPOINT, "http://collector:4318");
         assert_eq!(
-            on(&[endpoint, (SAMPLER, "parentbased_traceidratio"), (SAMPLER_ARG, "0.25")]).sampling,
+            on(&[
+                endpoint,
+                (SAMPLER, "parentbased_traceidratio"),
+                (SAMPLER_ARG, "0.25")
+            ])
+            .sampling,
             Sampling::ParentBased(Box::new(Sampling::Ratio(0.25)))
         );
         assert_eq!(

@@ -13,11 +13,11 @@ use axum::extract::State;
 use axum::routing::post;
 use lapin::types::AMQPValue;
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
-use opentelemetry_proto::tonic::common::v1::any_value::Value;
 use opentelemetry_proto::tonic::common::v1::KeyValue;
+use opentelemetry_proto::tonic::common::v1::any_value::Value;
+use opentelemetry_proto::tonic::trace::v1::Span;
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use opentelemetry_proto::tonic::trace::v1::status::StatusCode;
-use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::Message as _;
 use serde_json::json;
 
@@ -169,11 +169,21 @@ async fn a_rows_span_is_a_producer_child_of_its_traceparent_and_the_message_name
             Some(json!({"traceparent": traceparent, "tracestate": "vendor=x", "note": "kept"})),
         )
         .await;
-    let root = outbox.insert("a", "order.paid", "o-1", Some("{}"), None).await;
-    let not_sampled = outbox
-        .insert("a", "order.paid", "o-2", Some("{}"), Some(json!({"traceparent": unsampled})))
+    let root = outbox
+        .insert("a", "order.paid", "o-1", Some("{}"), None)
         .await;
-    let last = outbox.insert("a", "order.shipped", "o-1", Some("{}"), None).await;
+    let not_sampled = outbox
+        .insert(
+            "a",
+            "order.paid",
+            "o-2",
+            Some("{}"),
+            Some(json!({"traceparent": unsampled})),
+        )
+        .await;
+    let last = outbox
+        .insert("a", "order.shipped", "o-1", Some("{}"), None)
+        .await;
 
     let (_relay, _addr) = spawn_relay(&traced_env(&outbox, &broker, &receiver.endpoint())).await;
     eventually("4 messages consumed", Duration::from_secs(20), || {
@@ -181,10 +191,14 @@ async fn a_rows_span_is_a_producer_child_of_its_traceparent_and_the_message_name
         async move { n == 4 }
     })
     .await;
-    eventually("the last row's span exported", Duration::from_secs(20), || {
-        let found = !receiver.of_row(last).is_empty();
-        async move { found }
-    })
+    eventually(
+        "the last row's span exported",
+        Duration::from_secs(20),
+        || {
+            let found = !receiver.of_row(last).is_empty();
+            async move { found }
+        },
+    )
     .await;
 
     let messages = broker.received();
@@ -225,7 +239,10 @@ async fn a_rows_span_is_a_producer_child_of_its_traceparent_and_the_message_name
     expect("messaging.operation.type", "send");
     expect("messaging.operation.name", "publish");
     expect("messaging.destination.name", &broker.exchange);
-    expect("messaging.rabbitmq.destination.routing_key", "a.order.created");
+    expect(
+        "messaging.rabbitmq.destination.routing_key",
+        "a.order.created",
+    );
     expect("messaging.message.id", &child.to_string());
     expect("outbox.tenant_id", "a");
     expect("outbox.kind", "order.created");
@@ -262,7 +279,10 @@ async fn a_rows_span_is_a_producer_child_of_its_traceparent_and_the_message_name
 
     // Not sampled (the parent's decision): no span, and the row's own header.
     assert!(receiver.of_row(not_sampled).is_empty());
-    assert_eq!(text_header(message(not_sampled), "traceparent"), Some(unsampled));
+    assert_eq!(
+        text_header(message(not_sampled), "traceparent"),
+        Some(unsampled)
+    );
 
     broker.delete().await;
     outbox.drop_schema().await;
@@ -277,12 +297,17 @@ async fn a_refused_rows_span_is_an_error_and_its_log_line_names_the_span() {
     let lost = outbox.insert("a", "lost", "s-1", Some("{}"), None).await;
 
     let (relay, _addr) = spawn_relay(&traced_env(&outbox, &broker, &receiver.endpoint())).await;
-    eventually("the refused row's span exported", Duration::from_secs(20), || {
-        let found = receiver.of_row(lost).iter().any(|e| {
-            e.span.status.as_ref().map(|s| s.code) == Some(StatusCode::Error as i32)
-        });
-        async move { found }
-    })
+    eventually(
+        "the refused row's span exported",
+        Duration::from_secs(20),
+        || {
+            let found = receiver
+                .of_row(lost)
+                .iter()
+                .any(|e| e.span.status.as_ref().map(|s| s.code) == Some(StatusCode::Error as i32));
+            async move { found }
+        },
+    )
     .await;
     let spans = receiver.of_row(lost);
     let refused = &spans[0].span;
@@ -298,14 +323,18 @@ async fn a_refused_rows_span_is_an_error_and_its_log_line_names_the_span() {
 
     // The relay's JSON line about the refusal carries the span's ids.
     let mut joined = None;
-    eventually("a log line under a publish span", Duration::from_secs(10), || {
-        joined = relay.output().lines().find_map(|line| {
-            let entry: serde_json::Value = serde_json::from_str(line).ok()?;
-            (entry["message"] == "publish refused" && entry["row"] == lost).then_some(entry)
-        });
-        let found = joined.is_some();
-        async move { found }
-    })
+    eventually(
+        "a log line under a publish span",
+        Duration::from_secs(10),
+        || {
+            joined = relay.output().lines().find_map(|line| {
+                let entry: serde_json::Value = serde_json::from_str(line).ok()?;
+                (entry["message"] == "publish refused" && entry["row"] == lost).then_some(entry)
+            });
+            let found = joined.is_some();
+            async move { found }
+        },
+    )
     .await;
     let line = joined.unwrap();
     assert_eq!(line["reason"], "unroutable");
@@ -349,10 +378,14 @@ async fn a_black_hole_endpoint_drops_spans_counted_and_holds_up_no_row() {
         outbox.pending("a").await == 0
     })
     .await;
-    eventually("dropped spans counted", Duration::from_secs(10), || async move {
-        let (_, body) = http_get(addr, "/metrics").await;
-        metric(&body, "outbox_trace_spans_dropped_total").unwrap_or(0.0) >= (rows - 32) as f64
-    })
+    eventually(
+        "dropped spans counted",
+        Duration::from_secs(10),
+        || async move {
+            let (_, body) = http_get(addr, "/metrics").await;
+            metric(&body, "outbox_trace_spans_dropped_total").unwrap_or(0.0) >= (rows - 32) as f64
+        },
+    )
     .await;
 
     // The shutdown flush gives up with the grace period (2 s), not with the
@@ -376,7 +409,10 @@ async fn check_config_shows_where_spans_go_and_no_header_value() {
         .arg("check-config")
         .env("OUTBOX_TENANTS", "a")
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
-        .env("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer%20s3cr3t")
+        .env(
+            "OTEL_EXPORTER_OTLP_HEADERS",
+            "authorization=Bearer%20s3cr3t",
+        )
         .output()
         .expect("runs");
     assert!(output.status.success());
