@@ -632,6 +632,42 @@ mod tests {
     }
 
     #[test]
+    fn the_trace_context_is_read_and_replaced_and_the_rest_kept() {
+        const ROWS: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        const RELAYS: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-b7ad6b7169203331-01";
+        let r = row(
+            Some("x"),
+            Some(json!({"traceparent": ROWS, "tracestate": "v=1", "n": 3})),
+        );
+        let m = message(&r).unwrap();
+        assert_eq!(trace_context(&m.properties), (Some(ROWS), Some("v=1")));
+        let m = with_trace_context(m, RELAYS, "v=1", FRAME_MAX);
+        assert_eq!(header(&m, "traceparent"), Some(&long_string(RELAYS)));
+        assert_eq!(header(&m, "tracestate"), Some(&long_string("v=1")));
+        assert_eq!(header(&m, "n"), Some(&AMQPValue::LongLongInt(3)));
+        assert_eq!(header(&m, "outbox-tenant-id"), Some(&long_string("acme")));
+        // A root span has no tracestate: a row's stray one is dropped.
+        let r = row(Some("x"), Some(json!({"tracestate": "v=1"})));
+        let m = with_trace_context(message(&r).unwrap(), RELAYS, "", FRAME_MAX);
+        assert_eq!(header(&m, "traceparent"), Some(&long_string(RELAYS)));
+        assert_eq!(header(&m, "tracestate"), None);
+        // A non-string traceparent is no trace context.
+        let r = row(Some("x"), Some(json!({"traceparent": 7})));
+        assert_eq!(trace_context(&message(&r).unwrap().properties), (None, None));
+    }
+
+    #[test]
+    fn a_trace_context_that_would_not_fit_the_frame_leaves_the_message_as_it_was() {
+        let r = row(Some("x"), None);
+        let m = message(&r).unwrap();
+        let len = content_header_frame_len(&m.properties).unwrap();
+        let frame_max = u32::try_from(len + 10).unwrap();
+        let relays = "00-4bf92f3577b34da6a3ce929d0e0e4736-b7ad6b7169203331-01";
+        let m = with_trace_context(m, relays, "", frame_max);
+        assert_eq!(header(&m, "traceparent"), None);
+    }
+
+    #[test]
     fn a_null_payload_is_a_tombstone_with_an_empty_body() {
         let r = row(None, None);
         let m = message(&r).unwrap();

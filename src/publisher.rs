@@ -753,12 +753,8 @@ impl Publishing<'_> {
 
     /// The batch's report: the confirmed prefix up to the first refusal.
     fn report(&mut self) -> BatchReport {
-        let batch = self.batch.clone();
-        let mut state = batch.state();
+        let mut state = self.batch.state();
         let mut report = std::mem::take(&mut state.report);
-        if !self.spans.is_empty() {
-            self.end_spans(&state.confirmed, report.refusal.as_ref());
-        }
         // A row the broker nacked or returned goes alone until it is
         // confirmed: retrying it with the window behind it would send those
         // rows again at every retry (duplicates for every other queue bound).
@@ -782,6 +778,12 @@ impl Publishing<'_> {
             .take(limit)
             .map_while(|at| *at)
             .collect();
+        // The spans end (and a refusal is logged) once the batch is let go.
+        let confirmed = (!self.spans.is_empty()).then(|| state.confirmed.clone());
+        drop(state);
+        if let Some(confirmed) = confirmed {
+            self.end_spans(&confirmed, report.refusal.as_ref());
+        }
         report
     }
 }
