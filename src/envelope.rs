@@ -653,7 +653,10 @@ mod tests {
         assert_eq!(header(&m, "tracestate"), None);
         // A non-string traceparent is no trace context.
         let r = row(Some("x"), Some(json!({"traceparent": 7})));
-        assert_eq!(trace_context(&message(&r).unwrap().properties), (None, None));
+        assert_eq!(
+            trace_context(&message(&r).unwrap().properties),
+            (None, None)
+        );
     }
 
     #[test]
