@@ -177,6 +177,56 @@ impl Envelope {
     }
 }
 
+/// The trace context headers (W3C): a row's own pass through unchanged,
+/// unless the relay's span replaces them (see [`with_trace_context`]).
+pub const TRACEPARENT: &str = "traceparent";
+pub const TRACESTATE: &str = "tracestate";
+
+/// The row's `traceparent` and `tracestate` among the message's headers,
+/// when they are strings.
+pub fn trace_context(properties: &BasicProperties) -> (Option<&str>, Option<&str>) {
+    let text = |name: &str| match properties.headers().as_ref()?.inner().get(name)? {
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
+        _ => None,
+    };
+    (text(TRACEPARENT), text(TRACESTATE))
+}
+
+/// `message` carrying `traceparent` (and `tracestate`, or none if it is
+/// empty) instead of the row's own: the relay's span. Kept as it was if the
+/// properties would no longer fit one frame of `frame_max`.
+pub fn with_trace_context(
+    message: Message,
+    traceparent: &str,
+    tracestate: &str,
+    frame_max: u32,
+) -> Message {
+    let mut headers = message
+        .properties
+        .headers()
+        .as_ref()
+        .map(|table| table.inner().clone())
+        .unwrap_or_default();
+    headers.insert(TRACEPARENT.into(), long_string(traceparent));
+    if tracestate.is_empty() {
+        // The row's own belonged to another trace context, or to none.
+        headers.remove(TRACESTATE);
+    } else {
+        headers.insert(TRACESTATE.into(), long_string(tracestate));
+    }
+    let properties = message
+        .properties
+        .clone()
+        .with_headers(FieldTable::from(headers));
+    if fits_one_frame(&properties, frame_max).is_err() {
+        return message;
+    }
+    Message {
+        properties,
+        ..message
+    }
+}
+
 /// The size of the content header frame that carries `properties`, encoded
 /// by the AMQP library exactly as it will be sent.
 pub fn content_header_frame_len(properties: &BasicProperties) -> Result<usize, Refusal> {
@@ -579,6 +629,45 @@ mod tests {
             Some(&long_string("2026-11-30T08:15:01.25Z"))
         );
         assert_eq!(header(&m, "outbox-tombstone"), None);
+    }
+
+    #[test]
+    fn the_trace_context_is_read_and_replaced_and_the_rest_kept() {
+        const ROWS: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        const RELAYS: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-b7ad6b7169203331-01";
+        let r = row(
+            Some("x"),
+            Some(json!({"traceparent": ROWS, "tracestate": "v=1", "n": 3})),
+        );
+        let m = message(&r).unwrap();
+        assert_eq!(trace_context(&m.properties), (Some(ROWS), Some("v=1")));
+        let m = with_trace_context(m, RELAYS, "v=1", FRAME_MAX);
+        assert_eq!(header(&m, "traceparent"), Some(&long_string(RELAYS)));
+        assert_eq!(header(&m, "tracestate"), Some(&long_string("v=1")));
+        assert_eq!(header(&m, "n"), Some(&AMQPValue::LongLongInt(3)));
+        assert_eq!(header(&m, "outbox-tenant-id"), Some(&long_string("acme")));
+        // A root span has no tracestate: a row's stray one is dropped.
+        let r = row(Some("x"), Some(json!({"tracestate": "v=1"})));
+        let m = with_trace_context(message(&r).unwrap(), RELAYS, "", FRAME_MAX);
+        assert_eq!(header(&m, "traceparent"), Some(&long_string(RELAYS)));
+        assert_eq!(header(&m, "tracestate"), None);
+        // A non-string traceparent is no trace context.
+        let r = row(Some("x"), Some(json!({"traceparent": 7})));
+        assert_eq!(
+            trace_context(&message(&r).unwrap().properties),
+            (None, None)
+        );
+    }
+
+    #[test]
+    fn a_trace_context_that_would_not_fit_the_frame_leaves_the_message_as_it_was() {
+        let r = row(Some("x"), None);
+        let m = message(&r).unwrap();
+        let len = content_header_frame_len(&m.properties).unwrap();
+        let frame_max = u32::try_from(len + 10).unwrap();
+        let relays = "00-4bf92f3577b34da6a3ce929d0e0e4736-b7ad6b7169203331-01";
+        let m = with_trace_context(m, relays, "", frame_max);
+        assert_eq!(header(&m, "traceparent"), None);
     }
 
     #[test]

@@ -24,8 +24,10 @@
 //!    outbox trigger's notifications on a connection of its own, so a
 //!    notified tenant is swept at once; the poll stays the safety net.
 //! 6. [`http`] serves lag, liveness, readiness and [`metrics`]; [`telemetry`]
-//!    writes the logs; [`shutdown`] drains sweeps on SIGTERM; [`migrate`]
-//!    creates and upgrades the table (and checks it at start); [`status`] is
+//!    writes the logs; [`traces`] gives each published row an OpenTelemetry
+//!    span (when an OTLP endpoint is set) and carries it in the message;
+//!    [`shutdown`] drains sweeps on SIGTERM; [`migrate`] creates and
+//!    upgrades the table (and checks it at start); [`status`] is
 //!    the operator's view from the database; [`tail`] prints what the relay
 //!    publishes, as a consumer sees it; [`lifecycle`] brings parked rows back
 //!    (`requeue`), ends them (`discard`) and sends published rows again
@@ -54,6 +56,7 @@ pub mod store;
 pub mod tail;
 pub mod telemetry;
 pub mod template;
+pub mod traces;
 pub mod wakeup;
 
 use std::sync::Arc;

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 
 use clap::{ArgGroup, Args, Parser, Subcommand};
 use outbox_relay::config::{CONFIG_FILE_VAR, Config, Flags as KeyFlags, Loaded, Sources, Tenants};
-use outbox_relay::{migrate, shutdown, store, telemetry};
+use outbox_relay::{migrate, shutdown, store, telemetry, traces};
 
 /// Exit code for a configuration that cannot be used.
 const EXIT_CONFIG: u8 = 2;
@@ -124,10 +124,19 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
+    // Traces are configured by the standard OTEL_* variables alone.
+    let tracing_settings = match traces::Settings::from_env() {
+        Ok(settings) => settings,
+        Err(error) => {
+            eprintln!("outbox-relay: configuration error: {error}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
     let command = cli.command.unwrap_or(Command::Run);
     if let Command::CheckConfig = command {
         warn_unknown_env_on_stderr(&loaded);
         print!("{}", loaded.render());
+        print!("{}", tracing_settings.render());
         return ExitCode::SUCCESS;
     }
     let runtime = match tokio::runtime::Builder::new_current_thread()
@@ -185,16 +194,52 @@ fn main() -> ExitCode {
         warn_unknown_env_on_stderr(&loaded);
         return runtime.block_on(lifecycle(loaded.config, command));
     }
+    // Before the runtime runs: the exporter's blocking client is not to be
+    // made inside it.
+    let exporting = match &command {
+        Command::Migrate { .. } => None,
+        _ => match traces::install(&tracing_settings) {
+            Ok(exporting) => exporting,
+            Err(error) => {
+                eprintln!("outbox-relay: configuration error: traces: {error}");
+                return ExitCode::from(EXIT_CONFIG);
+            }
+        },
+    };
     telemetry::init(loaded.config.log_format, &loaded.config.log);
     warn_unknown_env(&loaded);
-    let result = runtime.block_on(async move {
-        match command {
-            Command::Migrate { finish, .. } => migrate_once(loaded.config, finish).await,
-            _ => outbox_relay::run(loaded.config, shutdown::signal())
+    if let traces::Settings::On(export) = &tracing_settings
+        && exporting.is_some()
+    {
+        tracing::info!(
+            endpoint = %outbox_relay::redact::redact_url(&export.endpoint),
+            sampler = %export.sampling,
+            "exporting traces over OTLP/HTTP"
+        );
+    }
+    let grace = loaded.config.shutdown_grace();
+    let signalled = std::sync::Arc::new(std::sync::OnceLock::new());
+    let result = runtime.block_on({
+        let signalled = signalled.clone();
+        async move {
+            match command {
+                Command::Migrate { finish, .. } => migrate_once(loaded.config, finish).await,
+                _ => outbox_relay::run(loaded.config, async move {
+                    shutdown::signal().await;
+                    let _ = signalled.set(std::time::Instant::now());
+                })
                 .await
                 .map_err(anyhow::Error::from),
+            }
         }
     });
+    if let Some(exporting) = exporting {
+        // What is left of the grace period, on a thread of its own.
+        let left = signalled.get().map_or(grace, |at: &std::time::Instant| {
+            grace.saturating_sub(at.elapsed())
+        });
+        exporting.shutdown(left);
+    }
     report_exit(result)
 }
 

@@ -238,6 +238,7 @@ impl Metrics {
             Arc::new(retention_deleted.clone()),
             Arc::new(settlement_retries.clone()),
             Arc::new(resent_rows.clone()),
+            Arc::new(crate::traces::spans_dropped().clone()),
             Arc::new(build_info),
         ];
         // The registry is kept only to refuse a name given twice.
@@ -560,6 +561,7 @@ mod tests {
             "outbox_retention_deleted_total 0",
             "outbox_settlement_retries_total{outcome=\"gave_up\"} 0",
             "outbox_resent_rows_total 0",
+            "outbox_trace_spans_dropped_total 0",
             "outbox_amqp_connected 0",
             "outbox_amqp_blocked 0",
             "outbox_database_up 0",

@@ -27,10 +27,11 @@
 mod confirms;
 mod isolation;
 mod rotation;
+mod spans;
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use futures_util::StreamExt;
 use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
@@ -45,6 +46,7 @@ use crate::backoff::Backoff;
 use crate::config::{AmqpEndpoint, AmqpTarget, Config};
 use crate::domain::{BatchReport, FailureReason, Lease, OutboxRow, Refusal};
 use crate::envelope::Envelope;
+use crate::traces::PublishSpan;
 use confirms::{Batch, ConfirmChannel};
 use isolation::Isolation;
 use rotation::Rotation;
@@ -454,6 +456,7 @@ impl Publisher {
             sending: true,
             prefix: 0,
             reported: 0,
+            spans: Vec::new(),
         }
     }
 
@@ -535,6 +538,8 @@ pub struct Publishing<'a> {
     /// Rows confirmed from the start, as last seen, and as last told.
     prefix: usize,
     reported: usize,
+    /// Each row's span, by its index, while tracing is on (empty when off).
+    spans: Vec<Option<PublishSpan>>,
 }
 
 impl Publishing<'_> {
@@ -623,7 +628,14 @@ impl Publishing<'_> {
             }
             let sent = match inner.envelope.message(self.tenant, row, frame_max) {
                 Ok(message) => {
-                    isolation::send_alone(
+                    let (message, span) = spans::start(
+                        inner.exchange.as_str(),
+                        self.tenant,
+                        row,
+                        message,
+                        frame_max,
+                    );
+                    let sent = isolation::send_alone(
                         &inner.isolation,
                         &channel,
                         inner.exchange.clone(),
@@ -631,9 +643,20 @@ impl Publishing<'_> {
                         row,
                         inner.confirm_timeout,
                     )
-                    .await
+                    .await;
+                    if let Some(span) = span {
+                        match &sent {
+                            Ok(at) => span.confirmed(*at),
+                            Err(refusal) => spans::refused(span, self.tenant, row.id, refusal),
+                        }
+                    }
+                    sent
                 }
-                Err(refusal) => Err(refusal),
+                Err(refusal) => {
+                    let exchange = inner.exchange.as_str();
+                    spans::refused_unsent(&inner.envelope, exchange, self.tenant, row, &refusal);
+                    Err(refusal)
+                }
             };
             match sent {
                 Ok(confirmed_at) => report.confirmed_at.push(confirmed_at),
@@ -669,18 +692,45 @@ impl Publishing<'_> {
         let row = &self.rows[index];
         self.sent += 1;
         let inner = &self.publisher.inner;
-        match inner
-            .envelope
-            .message(self.tenant, row, channel.frame_max())
-        {
-            Ok(message) => channel.publish(
-                &self.batch,
-                (index, row.id),
-                inner.exchange.clone(),
-                message,
-                Instant::now() + inner.confirm_timeout,
-            ),
-            Err(refusal) => self.batch.state().report.refuse(index, refusal),
+        let frame_max = channel.frame_max();
+        match inner.envelope.message(self.tenant, row, frame_max) {
+            Ok(message) => {
+                let exchange = inner.exchange.as_str();
+                let (message, span) = spans::start(exchange, self.tenant, row, message, frame_max);
+                if let Some(span) = span {
+                    self.spans.resize_with(index, || None);
+                    self.spans.push(Some(span));
+                }
+                channel.publish(
+                    &self.batch,
+                    (index, row.id),
+                    inner.exchange.clone(),
+                    message,
+                    Instant::now() + inner.confirm_timeout,
+                );
+            }
+            Err(refusal) => {
+                let exchange = inner.exchange.as_str();
+                spans::refused_unsent(&inner.envelope, exchange, self.tenant, row, &refusal);
+                self.batch.state().report.refuse(index, refusal);
+            }
+        }
+    }
+
+    /// Ends the spans of the rows sent (tracing on): each at its confirm, or
+    /// with the batch's refusal.
+    fn end_spans(&mut self, confirmed: &[Option<SystemTime>], refusal: Option<&(usize, Refusal)>) {
+        for (index, span) in self.spans.drain(..).enumerate() {
+            let Some(span) = span else { continue };
+            let refusal = refusal.map(|(at, refusal)| (*at == index, refusal));
+            let confirmed_at = confirmed.get(index).copied().flatten();
+            spans::end(
+                span,
+                self.tenant,
+                self.rows[index].id,
+                confirmed_at,
+                refusal,
+            );
         }
     }
 
@@ -702,7 +752,7 @@ impl Publishing<'_> {
     }
 
     /// The batch's report: the confirmed prefix up to the first refusal.
-    fn report(&self) -> BatchReport {
+    fn report(&mut self) -> BatchReport {
         let mut state = self.batch.state();
         let mut report = std::mem::take(&mut state.report);
         // A row the broker nacked or returned goes alone until it is
@@ -728,6 +778,12 @@ impl Publishing<'_> {
             .take(limit)
             .map_while(|at| *at)
             .collect();
+        // The spans end (and a refusal is logged) once the batch is let go.
+        let confirmed = (!self.spans.is_empty()).then(|| state.confirmed.clone());
+        drop(state);
+        if let Some(confirmed) = confirmed {
+            self.end_spans(&confirmed, report.refusal.as_ref());
+        }
         report
     }
 }

@@ -3,12 +3,21 @@
 //! The AMQP client's own events below ERROR are dropped whatever the filter
 //! says: it logs a returned message whole, payload included, at WARN, and
 //! frames at TRACE. The relay logs every failure itself, without payloads.
+//!
+//! A JSON line written under a row's `publish` span (see `traces`) carries
+//! the span's `trace_id` and `span_id` as fields of its own, so a log search
+//! and a trace search find each other.
 
 use std::io::IsTerminal;
 
-use tracing::{Level, Metadata};
+use tracing::{Event, Level, Metadata, Subscriber};
 use tracing_subscriber::filter::{EnvFilter, filter_fn};
+use tracing_subscriber::fmt::format::{
+    Format, FormatEvent, FormatFields, Json, JsonFields, Writer,
+};
+use tracing_subscriber::fmt::{FmtContext, FormattedFields};
 use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{Layer, fmt};
 
@@ -40,12 +49,15 @@ pub fn init(format: LogFormat, filter: &str) {
         LogFormat::Auto => !std::io::stdout().is_terminal(),
     };
     let layer = if json {
-        fmt::layer()
+        let format = fmt::format()
             .json()
             .flatten_event(true)
             .with_current_span(false)
             .with_span_list(false)
-            .with_target(false)
+            .with_target(false);
+        fmt::layer()
+            .fmt_fields(JsonFields::new())
+            .event_format(WithTraceIds(format))
             .boxed()
     } else {
         fmt::layer().with_target(false).boxed()
@@ -53,4 +65,48 @@ pub fn init(format: LogFormat, filter: &str) {
     let _ = tracing_subscriber::registry()
         .with(layer.with_filter(filter).with_filter(filter_fn(allowed)))
         .try_init();
+}
+
+/// The name of the span a row's log lines are written under (`traces`).
+const PUBLISH_SPAN: &str = "publish";
+
+/// JSON lines; one written under a row's `publish` span starts with that
+/// span's fields (`trace_id`, `span_id`).
+struct WithTraceIds(Format<Json>);
+
+impl<S, N> FormatEvent<S, N> for WithTraceIds
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &Event<'_>,
+    ) -> std::fmt::Result {
+        let ids = ctx.event_scope().and_then(|scope| {
+            scope
+                .into_iter()
+                .find(|span| {
+                    span.name() == PUBLISH_SPAN
+                        && span.metadata().target().starts_with("outbox_relay")
+                })
+                .and_then(|span| {
+                    let extensions = span.extensions();
+                    let fields = extensions.get::<FormattedFields<N>>()?;
+                    let inner = fields.fields.trim().strip_prefix('{')?.strip_suffix('}')?;
+                    (!inner.is_empty()).then(|| inner.to_string())
+                })
+        });
+        let Some(ids) = ids else {
+            return self.0.format_event(ctx, writer, event);
+        };
+        let mut line = String::new();
+        self.0.format_event(ctx, Writer::new(&mut line), event)?;
+        match line.strip_prefix('{') {
+            Some(rest) => write!(writer, "{{{ids},{rest}"),
+            None => writer.write_str(&line),
+        }
+    }
 }

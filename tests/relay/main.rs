@@ -23,6 +23,7 @@ mod rows;
 mod settlement;
 mod support;
 mod tls;
+mod tracing;
 mod twophase;
 mod upgrade;
 mod values;

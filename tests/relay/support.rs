@@ -666,6 +666,7 @@ pub fn binary_command(binary: &Path) -> Command {
     let mut command = Command::new(binary);
     for (name, _) in std::env::vars() {
         if name.starts_with("OUTBOX_")
+            || name.starts_with("OTEL_")
             || name == "DATABASE_URL"
             || name == "AMQP_URL"
             || name == "RUST_LOG"

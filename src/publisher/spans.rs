@@ -1,0 +1,131 @@
+//! Each row's span (see `traces`), as the publisher starts and ends it: it
+//! starts when the row's message is built, puts itself in the message's
+//! trace context when sampled, and ends at the broker's confirm or with the
+//! row's refusal. With tracing off, nothing here runs but a check.
+
+use std::time::SystemTime;
+
+use time::OffsetDateTime;
+
+use crate::domain::{OutboxRow, Refusal};
+use crate::envelope::{self, Envelope, Message};
+use crate::traces::{self, Publish, PublishSpan};
+
+/// The row's span, started (tracing on), and `message` carrying it.
+pub(super) fn start(
+    exchange: &str,
+    tenant: &str,
+    row: &OutboxRow,
+    message: Message,
+    frame_max: u32,
+) -> (Message, Option<PublishSpan>) {
+    if !traces::enabled() {
+        return (message, None);
+    }
+    let (traceparent, tracestate) = envelope::trace_context(&message.properties);
+    let message_id = message.properties.message_id().as_ref();
+    let span = PublishSpan::start(
+        Publish {
+            exchange,
+            routing_key: message.routing_key.as_str(),
+            message_id: message_id.map_or("", |id| id.as_str()),
+            tenant,
+            kind: &row.kind,
+            delay_ms: delay_ms(row),
+        },
+        traceparent,
+        tracestate,
+    );
+    match span.as_ref().and_then(PublishSpan::headers) {
+        Some((traceparent, tracestate)) => (
+            envelope::with_trace_context(message, &traceparent, &tracestate, frame_max),
+            span,
+        ),
+        None => (message, span),
+    }
+}
+
+/// The span of a row the envelope refused before anything was sent: it
+/// starts and ends at once, a root (the row's headers may be what is wrong).
+pub(super) fn refused_unsent(
+    envelope: &Envelope,
+    exchange: &str,
+    tenant: &str,
+    row: &OutboxRow,
+    refusal: &Refusal,
+) {
+    if !traces::enabled() {
+        return;
+    }
+    let routing_key = envelope
+        .routing_key
+        .render(tenant, &row.kind, &row.subject_id);
+    let message_id = envelope.message_id.render(row.id);
+    let span = PublishSpan::start(
+        Publish {
+            exchange,
+            routing_key: &routing_key,
+            message_id: &message_id,
+            tenant,
+            kind: &row.kind,
+            delay_ms: delay_ms(row),
+        },
+        None,
+        None,
+    );
+    if let Some(span) = span {
+        refused(span, tenant, row.id, refusal);
+    }
+}
+
+/// Ends a row's span as it went: confirmed at `confirmed_at`, or not.
+/// `refusal` is the batch's refusal, if any; the row it names is `refused_at`.
+pub(super) fn end(
+    span: PublishSpan,
+    tenant: &str,
+    row_id: i64,
+    confirmed_at: Option<SystemTime>,
+    refusal: Option<(bool, &Refusal)>,
+) {
+    match (confirmed_at, refusal) {
+        (_, Some((true, refusal))) => refused(span, tenant, row_id, refusal),
+        (Some(at), _) => span.confirmed(at),
+        (None, Some((false, refusal))) => span.refused(
+            refusal.reason.as_str(),
+            &format!(
+                "not confirmed: an earlier row of the batch was refused ({})",
+                refusal.detail
+            ),
+        ),
+        (None, None) => span.refused("other", "not confirmed"),
+    }
+}
+
+/// Ends the span of the row refused with `refusal`, and says so in a log
+/// line written under the span (it carries the span's `trace_id` and
+/// `span_id`, see `telemetry`).
+pub(super) fn refused(span: PublishSpan, tenant: &str, row_id: i64, refusal: &Refusal) {
+    if let Some((trace_id, span_id)) = span.ids() {
+        let _under = tracing::info_span!(
+            "publish",
+            trace_id = trace_id.as_str(),
+            span_id = span_id.as_str()
+        )
+        .entered();
+        tracing::warn!(
+            tenant,
+            row = row_id,
+            reason = refusal.reason.as_str(),
+            error = %refusal.detail,
+            "publish refused"
+        );
+    }
+    span.refused(refusal.reason.as_str(), &refusal.detail);
+}
+
+/// The row's age at publish, since `occurred_at` (0 for a row from the
+/// future: a writer's fast clock).
+fn delay_ms(row: &OutboxRow) -> i64 {
+    let age = OffsetDateTime::now_utc() - row.occurred_at;
+    i64::try_from(age.whole_milliseconds().max(0)).unwrap_or(i64::MAX)
+}

@@ -1,0 +1,168 @@
+//! The way out for spans: the SDK's batch processor, on a thread of its
+//! own, hands batches to the OTLP/HTTP exporter and its blocking client; the
+//! relay's runtime thread only queues a finished span. Two thin wrappers
+//! count what never reached the collector in
+//! `outbox_trace_spans_dropped_total` (the SDK keeps its own count private):
+//! the processor drops a span, and counts it, when the queue holds
+//! `OTEL_BSP_MAX_QUEUE_SIZE` spans already (so the SDK's own queue, of the
+//! same size, never drops one uncounted), and the exporter counts every span
+//! of a batch that failed (unreachable, slow or black-hole endpoint).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use opentelemetry::{Context, KeyValue};
+use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::error::OTelSdkResult;
+use opentelemetry_sdk::trace::{
+    BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracerProvider, Span, SpanData,
+    SpanExporter, SpanProcessor,
+};
+use prometheus::IntCounter;
+
+use super::settings::{Export, MAX_EXPORT_BATCH, Sampling};
+
+/// Spans finished and not yet handed to the exporter: the queue's length,
+/// or a little more (the batch being gathered), never less.
+#[derive(Debug, Default)]
+pub struct Queue {
+    queued: AtomicUsize,
+}
+
+impl Queue {
+    /// Spans that were waiting when exporting stopped.
+    pub fn left(&self) -> usize {
+        self.queued.load(Ordering::Relaxed)
+    }
+}
+
+/// The provider for `export`: a bounded queue, a batch processor thread,
+/// the OTLP/HTTP exporter. Built outside any Tokio runtime (the blocking
+/// client owns one of its own).
+pub fn provider(
+    export: &Export,
+    dropped: IntCounter,
+) -> Result<(SdkTracerProvider, Arc<Queue>), opentelemetry_otlp::ExporterBuildError> {
+    let headers: HashMap<String, String> = export.headers.iter().cloned().collect();
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .with_protocol(Protocol::HttpBinary)
+        .with_endpoint(export.endpoint.clone())
+        .with_timeout(export.timeout)
+        .with_headers(headers)
+        .build()?;
+    let queue = Arc::new(Queue::default());
+    let exporter = CountingExporter {
+        inner: exporter,
+        queue: queue.clone(),
+        dropped: dropped.clone(),
+    };
+    let batches = BatchConfigBuilder::default()
+        .with_max_queue_size(export.max_queue_size)
+        .with_max_export_batch_size(MAX_EXPORT_BATCH.min(export.max_queue_size))
+        .with_scheduled_delay(export.schedule_delay)
+        .build();
+    let processor = BoundedProcessor {
+        inner: BatchSpanProcessor::builder(exporter)
+            .with_batch_config(batches)
+            .build(),
+        queue: queue.clone(),
+        capacity: export.max_queue_size,
+        dropped,
+    };
+    let resource = Resource::builder_empty()
+        .with_service_name(export.service_name.clone())
+        .with_attributes(
+            export
+                .resource
+                .iter()
+                .map(|(key, value)| KeyValue::new(key.clone(), value.clone())),
+        )
+        .build();
+    let provider = SdkTracerProvider::builder()
+        .with_span_processor(processor)
+        .with_sampler(sampler(&export.sampling))
+        .with_resource(resource)
+        .build();
+    Ok((provider, queue))
+}
+
+fn sampler(sampling: &Sampling) -> Sampler {
+    match sampling {
+        Sampling::AlwaysOn => Sampler::AlwaysOn,
+        Sampling::AlwaysOff => Sampler::AlwaysOff,
+        Sampling::Ratio(ratio) => Sampler::TraceIdRatioBased(*ratio),
+        Sampling::ParentBased(root) => Sampler::ParentBased(Box::new(sampler(root))),
+    }
+}
+
+/// The batch processor, behind a count that bounds its queue.
+#[derive(Debug)]
+struct BoundedProcessor {
+    inner: BatchSpanProcessor,
+    queue: Arc<Queue>,
+    capacity: usize,
+    dropped: IntCounter,
+}
+
+impl SpanProcessor for BoundedProcessor {
+    fn on_start(&self, span: &mut Span, cx: &Context) {
+        self.inner.on_start(span, cx);
+    }
+
+    fn on_end(&self, span: SpanData) {
+        if self.queue.queued.fetch_add(1, Ordering::Relaxed) >= self.capacity {
+            self.queue.queued.fetch_sub(1, Ordering::Relaxed);
+            self.dropped.inc();
+            return;
+        }
+        self.inner.on_end(span);
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.inner.set_resource(resource);
+    }
+}
+
+/// The OTLP exporter, counting the spans of each batch that failed.
+#[derive(Debug)]
+struct CountingExporter<E> {
+    inner: E,
+    queue: Arc<Queue>,
+    dropped: IntCounter,
+}
+
+impl<E: SpanExporter> SpanExporter for CountingExporter<E> {
+    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        let spans = batch.len();
+        self.queue.queued.fetch_sub(spans, Ordering::Relaxed);
+        let result = self.inner.export(batch).await;
+        if result.is_err() {
+            self.dropped.inc_by(spans as u64);
+        }
+        result
+    }
+
+    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
+        self.inner.shutdown_with_timeout(timeout)
+    }
+
+    fn force_flush(&self) -> OTelSdkResult {
+        self.inner.force_flush()
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.inner.set_resource(resource);
+    }
+}
