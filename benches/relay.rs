@@ -417,6 +417,21 @@ struct Exchange {
 }
 
 impl Exchange {
+    /// Each row's delay, ms, from when its commit returned to its arrival
+    /// (`committed`: row ids and those instants; an exchange made with
+    /// `record_delay`). Rows that have not arrived are left out.
+    fn delays(&self, committed: &[(i64, Instant)]) -> Vec<f64> {
+        let arrivals = self.arrivals.lock().unwrap();
+        let at: std::collections::HashMap<i64, Instant> =
+            arrivals.arrived.iter().copied().collect();
+        committed
+            .iter()
+            .filter_map(|(id, commit)| {
+                Some(at.get(id)?.saturating_duration_since(*commit).as_secs_f64() * 1000.0)
+            })
+            .collect()
+    }
+
     async fn create(record_delay: bool) -> Exchange {
         Exchange::create_as(record_delay, Setting::Consumed).await
     }
@@ -1112,20 +1127,7 @@ async fn steady(rate: u64, duration: Duration, settings: &[(&str, String)]) -> V
         "steady: not all arrived"
     );
     relay.stop();
-    let at: std::collections::HashMap<i64, Instant> = exchange
-        .arrivals
-        .lock()
-        .unwrap()
-        .arrived
-        .iter()
-        .copied()
-        .collect();
-    let delays = committed
-        .iter()
-        .filter_map(|(id, commit)| {
-            Some(at.get(id)?.saturating_duration_since(*commit).as_secs_f64() * 1000.0)
-        })
-        .collect();
+    let delays = exchange.delays(&committed);
     exchange.delete().await;
     table.drop().await;
     delays
@@ -1478,21 +1480,7 @@ async fn hot_tenant(writers: usize, held: Duration, duration: Duration, poll_ms:
         .await;
     assert!(arrived, "hot tenant: not every row arrived");
     relay.stop();
-    let at: std::collections::HashMap<i64, Instant> = exchange
-        .arrivals
-        .lock()
-        .unwrap()
-        .arrived
-        .iter()
-        .copied()
-        .collect();
-    let delays = committed
-        .iter()
-        .filter_map(|(id, commit)| {
-            let arrival = at.get(id)?;
-            Some(arrival.saturating_duration_since(*commit).as_secs_f64() * 1000.0)
-        })
-        .collect();
+    let delays = exchange.delays(&committed);
     exchange.delete().await;
     table.drop().await;
     delays
@@ -2142,23 +2130,7 @@ async fn scrape_beside_delivery(duration: Duration) -> (Vec<f64>, Vec<f64>, Vec<
         "scrape: every probe row arrives"
     );
     relay.stop();
-    let at: std::collections::HashMap<i64, Instant> = exchange
-        .arrivals
-        .lock()
-        .unwrap()
-        .arrived
-        .iter()
-        .copied()
-        .collect();
-    let delays = |committed: &[(i64, Instant)]| -> Vec<f64> {
-        committed
-            .iter()
-            .filter_map(|(id, commit)| {
-                Some(at.get(id)?.saturating_duration_since(*commit).as_secs_f64() * 1000.0)
-            })
-            .collect()
-    };
-    let (quiet, scraped) = (delays(&quiet), delays(&scraped));
+    let (quiet, scraped) = (exchange.delays(&quiet), exchange.delays(&scraped));
     exchange.delete().await;
     table.drop().await;
     (took, quiet, scraped)
