@@ -267,15 +267,19 @@ impl Schedule {
         }
     }
 
-    fn push_fresh(&mut self, tenant: usize) {
+    /// Records when `tenant` was queued (see [`Schedule::mark`]).
+    fn stamp(&mut self, tenant: usize) {
         self.enqueued[tenant] = self.queued;
         self.queued += 1;
+    }
+
+    fn push_fresh(&mut self, tenant: usize) {
+        self.stamp(tenant);
         self.fresh.push_back(tenant);
     }
 
     fn push_busy(&mut self, tenant: usize) {
-        self.enqueued[tenant] = self.queued;
-        self.queued += 1;
+        self.stamp(tenant);
         self.busy.push_back(tenant);
     }
 
@@ -330,8 +334,7 @@ impl Schedule {
         self.safe[tenant] = self.safe[tenant].max(safe);
         if self.states[tenant] == State::Deferred {
             self.states[tenant] = State::Ready;
-            self.enqueued[tenant] = self.queued;
-            self.queued += 1;
+            self.stamp(tenant);
             self.fresh.push_front(tenant);
         }
     }
@@ -829,14 +832,7 @@ impl Scheduler {
         // being swept is not asked for a follow-up (the rows listed are
         // mostly those its sweep reads): when a sweep ends, the next read
         // lists again.
-        for name in tenants.into_iter().flatten() {
-            if let Some(tenant) = self.schedule.tenant(&name)
-                && self.relay.wakeups.sweeps_at_once(&name, &self.members)
-                && self.schedule.listed(tenant)
-            {
-                self.relay.metrics.count_wakeup();
-            }
-        }
+        self.wake_tenants(tenants.unwrap_or_default(), Schedule::listed);
     }
 
     /// Starts what is due: the poll, tenants whose back-off is over, sweeps
@@ -981,18 +977,20 @@ impl Scheduler {
         if !woken.tenants.is_empty() {
             self.active(now);
         }
-        self.wake_tenants(woken.tenants);
+        self.wake_tenants(woken.tenants, Schedule::notified);
     }
 
-    /// Notified tenants: each one this relay owns is swept at once if idle,
-    /// or once more after its running sweep.
-    fn wake_tenants(&mut self, names: Vec<String>) {
+    /// Tenants with new rows (notified, or listed by a read of the id
+    /// sequence): `wake` readies each one this relay owns (see
+    /// [`Schedule::notified`], [`Schedule::listed`]), counted when it
+    /// started or asked for a sweep.
+    fn wake_tenants(&mut self, names: Vec<String>, wake: fn(&mut Schedule, usize) -> bool) {
         for name in names {
             let Some(tenant) = self.schedule.tenant(&name) else {
                 continue;
             };
             if self.relay.wakeups.sweeps_at_once(&name, &self.members)
-                && self.schedule.notified(tenant)
+                && wake(&mut self.schedule, tenant)
             {
                 self.relay.metrics.count_wakeup();
             }

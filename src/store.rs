@@ -79,7 +79,8 @@ const REPLAY_BATCH: &str = include_str!("store/replay_batch.sql");
 const SEQUENCE: &str = include_str!("store/sequence.sql");
 const WRITERS: &str = include_str!("store/writers.sql");
 const WRITERS_FREE: &str = include_str!("store/writers_free.sql");
-/// Where the id sequence stands (see [`Store::position`]); $1 = its oid.
+/// Where the id sequence stands, and the tenants of its newest rows (see
+/// [`Store::watch`]).
 const WATCH: &str = include_str!("store/watch.sql");
 
 mod columns;
