@@ -54,6 +54,9 @@ pub const ROUTING_HEADERS: [&str; 2] = ["CC", "BCC"];
 /// end (1).
 pub const CONTENT_HEADER_OVERHEAD: usize = 20;
 
+/// The longest `outbox-occurred-at` (RFC 3339, UTC, to the nanosecond).
+const OCCURRED_AT_LEN: usize = "2026-11-30T08:15:01.123456789Z".len();
+
 /// How much of a header name a refusal quotes.
 const NAME_IN_ERRORS: usize = 64;
 
@@ -138,10 +141,11 @@ impl Envelope {
         let routing_key = short(key, "routing key")?;
         let kind = short(row.kind.clone(), "kind (the message type)")?;
 
-        let occurred_at = row
-            .occurred_at
+        // Written straight into the header's value.
+        let mut occurred_at = Vec::with_capacity(OCCURRED_AT_LEN);
+        row.occurred_at
             .to_offset(time::UtcOffset::UTC)
-            .format(&Rfc3339)
+            .format_into(&mut occurred_at, &Rfc3339)
             .map_err(|e| {
                 Refusal::new(
                     FailureReason::Invalid,
@@ -152,7 +156,10 @@ impl Envelope {
         headers.insert("outbox-id".into(), AMQPValue::LongLongInt(row.id));
         headers.insert("outbox-tenant-id".into(), long_string(tenant));
         headers.insert("outbox-subject-id".into(), long_string(&row.subject_id));
-        headers.insert("outbox-occurred-at".into(), long_string(&occurred_at));
+        headers.insert(
+            "outbox-occurred-at".into(),
+            AMQPValue::LongString(occurred_at.into()),
+        );
         if row.payload == Payload::Tombstone {
             headers.insert("outbox-tombstone".into(), AMQPValue::Boolean(true));
         }

@@ -9,6 +9,15 @@ use clap::{ArgGroup, Args, Parser, Subcommand};
 use outbox_relay::config::{CONFIG_FILE_VAR, Config, Flags as KeyFlags, Loaded, Sources, Tenants};
 use outbox_relay::{migrate, shutdown, store, telemetry, traces};
 
+/// The allocator. Publishing allocates a few dozen small objects per message
+/// (lapin's promises and frames, the envelope's properties and headers), and
+/// the system allocator spent about a third of the relay's instructions on
+/// them (callgrind, one tenant drained). mimalloc's version 2 gives freed
+/// memory back to the system within 10 ms (version 3 keeps it for a second,
+/// which let the peak with the heaviest rows pass the manifests' limit).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Exit code for a configuration that cannot be used.
 const EXIT_CONFIG: u8 = 2;
 /// Exit code for anything else fatal.

@@ -82,6 +82,7 @@ const WRITERS_FREE: &str = include_str!("store/writers_free.sql");
 /// Where the id sequence stands, and the tenants of its newest rows (see
 /// [`Store::watch`]).
 const WATCH: &str = include_str!("store/watch.sql");
+const POSITION: &str = include_str!("store/position.sql");
 
 mod columns;
 
@@ -440,22 +441,61 @@ impl AsRef<[u8]> for PayloadOf {
     }
 }
 
+/// The columns of `read_batch.sql` and `replay_batch.sql`, by position: a
+/// row's values are read by index, as a lookup by name compares every
+/// column's name for each value of each row.
+mod column {
+    pub const ID: usize = 0;
+    pub const KIND: usize = 1;
+    pub const SUBJECT_ID: usize = 3;
+    pub const PAYLOAD: usize = 5;
+    pub const PAYLOAD_BYTES: usize = 6;
+    pub const HEADERS: usize = 7;
+    pub const HEADERS_BYTES: usize = 8;
+    pub const OCCURRED_AT: usize = 9;
+    pub const COST: usize = 10;
+    pub const WITHIN: usize = 11;
+    /// Every column's name, in order.
+    pub const NAMES: [&str; 12] = [
+        "id",
+        "kind",
+        "kind_bytes",
+        "subject_id",
+        "subject_id_bytes",
+        "payload",
+        "payload_bytes",
+        "headers",
+        "headers_bytes",
+        "occurred_at",
+        "cost",
+        "within",
+    ];
+}
+
+/// Whether a read's columns are those [`column`] names, in its order (every
+/// row of a read has the same description, so its first row is asked).
+fn in_column_order(row: &tokio_postgres::Row) -> bool {
+    let names = row.columns().iter().map(|c| c.name());
+    names.eq(column::NAMES.iter().copied())
+}
+
 /// Reads one row of `read_batch.sql` (whose columns [`columns::check_row`]
-/// found fit). A value that cannot be read, or was left in the database for
-/// its size, makes that row defective (refused as `invalid` or
-/// `too_large`), never the batch.
+/// found fit, in [`column`]'s order). A value that cannot be read, or was
+/// left in the database for its size, makes that row defective (refused as
+/// `invalid` or `too_large`), never the batch.
 fn decode(
     row: tokio_postgres::Row,
     max_payload_bytes: i64,
 ) -> Result<OutboxRow, tokio_postgres::Error> {
-    let id: i64 = row.try_get("id")?;
-    let cost: i64 = row.try_get("cost")?;
+    let id: i64 = row.try_get(column::ID)?;
+    let cost: i64 = row.try_get(column::COST)?;
     let mut defects = Vec::new();
-    let mut text = |column: &str, what: &str, limit: i64| -> String {
-        match row.try_get::<_, Option<String>>(column) {
+    let mut text = |index: usize, what: &str, limit: i64| -> String {
+        match row.try_get::<_, Option<String>>(index) {
             Ok(Some(value)) => value,
             Ok(None) => {
-                let bytes: Option<i32> = row.try_get(format!("{column}_bytes").as_str()).ok();
+                // Its length is the column after it.
+                let bytes: Option<i32> = row.try_get(index + 1).ok();
                 let bytes = bytes.map_or_else(|| "?".to_string(), |b| b.to_string());
                 defects.push(format!("{what} is {bytes} bytes, over {limit}"));
                 String::new()
@@ -466,11 +506,14 @@ fn decode(
             }
         }
     };
-    let kind = text("kind", "kind", 255);
-    let subject_id = text("subject_id", "subject_id", FIELD_LIMIT);
-    let payload_bytes: Option<i32> = row.try_get("payload_bytes")?;
+    let kind = text(column::KIND, "kind", 255);
+    let subject_id = text(column::SUBJECT_ID, "subject_id", FIELD_LIMIT);
+    let payload_bytes: Option<i32> = row.try_get(column::PAYLOAD_BYTES)?;
     // The body itself is attached last, sharing the row (see `PayloadOf`).
-    let payload = match (row.try_get::<_, Option<Raw>>("payload"), payload_bytes) {
+    let payload = match (
+        row.try_get::<_, Option<Raw>>(column::PAYLOAD),
+        payload_bytes,
+    ) {
         (Ok(Some(_)), _) => None,
         (Ok(None), None) => Some(Payload::Tombstone),
         (Ok(None), Some(bytes)) if i64::from(bytes) > max_payload_bytes => {
@@ -486,8 +529,8 @@ fn decode(
             Some(Payload::Tombstone)
         }
     };
-    let headers_bytes: Option<i32> = row.try_get("headers_bytes")?;
-    let headers = match row.try_get::<_, Option<Raw>>("headers") {
+    let headers_bytes: Option<i32> = row.try_get(column::HEADERS_BYTES)?;
+    let headers = match row.try_get::<_, Option<Raw>>(column::HEADERS) {
         Ok(None) if headers_bytes.is_some() => {
             defects.push(format!(
                 "headers are {} bytes of JSON, over {FIELD_LIMIT}",
@@ -501,7 +544,7 @@ fn decode(
             None
         }
     };
-    let occurred_at = match row.try_get::<_, Option<OccurredAt>>("occurred_at") {
+    let occurred_at = match row.try_get::<_, Option<OccurredAt>>(column::OCCURRED_AT) {
         Ok(Some(at)) => at.0,
         Ok(None) => {
             defects.push(
@@ -515,12 +558,12 @@ fn decode(
             OffsetDateTime::UNIX_EPOCH
         }
     };
-    // Found: `try_get("payload")` above read it.
-    let column = row.columns().iter().position(|c| c.name() == "payload");
-    let payload = match (payload, column) {
-        (Some(payload), _) => payload,
-        (None, Some(column)) => Payload::Body(Bytes::from_owner(PayloadOf { row, column })),
-        (None, None) => Payload::Tombstone,
+    let payload = match payload {
+        Some(payload) => payload,
+        None => Payload::Body(Bytes::from_owner(PayloadOf {
+            row,
+            column: column::PAYLOAD,
+        })),
     };
     Ok(OutboxRow {
         id,
@@ -927,6 +970,25 @@ impl Store {
         span: i64,
     ) -> Result<Watched, StoreError> {
         let sequence = self.sequence().await?;
+        if !moved {
+            // Most reads find the sequence where it stood: the position
+            // alone says so, and the server plans no read of the table.
+            let found = self
+                .query_all(
+                    "the id sequence's position",
+                    POSITION,
+                    &[(&sequence, Type::INT8)],
+                    |row| row.try_get::<_, i64>(0),
+                )
+                .await?;
+            let position = found.into_iter().next().unwrap_or_default();
+            if position == watched {
+                return Ok(Watched {
+                    position,
+                    tenants: None,
+                });
+            }
+        }
         let found = self
             .query_all(
                 "the id sequence's watch",
@@ -1056,11 +1118,12 @@ impl Store {
             // tells whether the table's columns still fit.
             if !checked {
                 columns::check_row(&self.statements().table, &row)?;
+                debug_assert!(in_column_order(&row), "read_batch.sql's columns");
                 checked = true;
             }
             // Past the budget: not part of the batch, only a sign that
             // more rows are pending behind it.
-            if !batch.rows.is_empty() && !row.try_get::<_, bool>("within")? {
+            if !batch.rows.is_empty() && !row.try_get::<_, bool>(column::WITHIN)? {
                 batch.cut_by_budget = true;
                 continue;
             }
@@ -1341,7 +1404,10 @@ impl Store {
                 &self.statements().replay_batch,
                 &params,
                 |row| match columns::check_row(table, &row) {
-                    Ok(()) => decode(row, max_payload_bytes).map(Ok),
+                    Ok(()) => {
+                        debug_assert!(in_column_order(&row), "replay_batch.sql's columns");
+                        decode(row, max_payload_bytes).map(Ok)
+                    }
                     Err(drift) => Ok(Err(drift)),
                 },
             )
@@ -1410,6 +1476,15 @@ type MarkAhead = Pin<Box<MaybeDone<Pin<Box<dyn Future<Output = Result<u64, Store
 /// the current batch is published.
 type ReadAhead =
     Pin<Box<MaybeDone<Pin<Box<dyn Future<Output = Result<Batch, StoreError>> + Send>>>>>;
+
+/// What [`Claim::answered`] waits for.
+#[derive(Clone, Copy)]
+enum Answers {
+    /// Every mark and the read.
+    All,
+    /// The read ahead (and so every mark sent before it).
+    ReadAhead,
+}
 
 /// Rows read for one batch.
 #[derive(Default)]
@@ -1632,14 +1707,18 @@ impl Claim {
         .await
     }
 
-    /// Once every row of this batch was confirmed: marks them all (in the
-    /// transaction) and makes the batch read ahead the claim's batch.
+    /// Once every row of this batch was confirmed: sends the mark of the
+    /// rest of them (in the transaction) and makes the batch read ahead the
+    /// claim's batch, as soon as that read is answered; the mark's answer is
+    /// awaited later, beside the next batch's confirms (it comes after the
+    /// read's, and a failed one fails the claim at its settlement).
     /// `Ok(false)`, and the claim unchanged but for its marks, when there is
     /// no next batch to go on with: none was read, it is empty, or its first
     /// row was too large for the read's share (its own sweep reads it).
     pub async fn advance(&mut self) -> Result<bool, StoreError> {
         self.mark_ahead(self.rows.len());
-        self.marks_ahead_done().await?;
+        let answered = self.answered(Answers::ReadAhead).await;
+        self.store.dropping_idle_if_read_only(answered)?;
         let ahead = self.ahead.get_mut().unwrap_or_else(|e| e.into_inner());
         let Some(mut next) = ahead.next.take() else {
             return Ok(false);
@@ -1647,7 +1726,7 @@ impl Claim {
         let batch = next
             .as_mut()
             .take_output()
-            .expect("the read ahead is done once the marks are")?;
+            .expect("the read ahead is done once answered")?;
         let withheld = batch
             .rows
             .first()
@@ -1667,25 +1746,46 @@ impl Claim {
     /// longer); the rows the marks marked. A failed mark or read has aborted
     /// the transaction: the claim can only be dropped.
     pub async fn marks_ahead_done(&self) -> Result<u64, StoreError> {
-        let done = self.marks_answered().await;
+        let done = self.answered(Answers::All).await;
         self.store.dropping_idle_if_read_only(done)
     }
 
-    async fn marks_answered(&self) -> Result<u64, StoreError> {
+    /// Waits for `which` of what was sent ahead to be answered; the rows the
+    /// marks answered so far marked, or the first error among them or the
+    /// read's.
+    async fn answered(&self, which: Answers) -> Result<u64, StoreError> {
         // Polled where they are: the claim must always know every holder of
         // its connection (see `Drop`), even if this wait is abandoned.
-        let all_answered = std::future::poll_fn(|cx| {
+        let answered = std::future::poll_fn(|cx| {
             let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
-            ahead.poll_all(cx).map(Ok)
+            let all = ahead.poll_all(cx);
+            match which {
+                Answers::All => all.map(Ok),
+                // The read's answer comes after those of the marks sent
+                // before it.
+                Answers::ReadAhead if ahead.reading() => Poll::Pending,
+                Answers::ReadAhead => Poll::Ready(Ok(())),
+            }
         });
-        deadline("marking ahead", all_answered).await?;
+        deadline("marking ahead", answered).await?;
         let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
         let mut marked = 0;
-        for mut mark in std::mem::take(&mut ahead.sent) {
-            marked += mark
-                .as_mut()
-                .take_output()
-                .expect("a finished mark has its outcome")?;
+        let mut first_error = None;
+        ahead
+            .sent
+            .retain_mut(|mark| match mark.as_mut().take_output() {
+                Some(Ok(rows)) => {
+                    marked += rows;
+                    false
+                }
+                Some(Err(error)) => {
+                    first_error.get_or_insert(error);
+                    false
+                }
+                None => true,
+            });
+        if let Some(error) = first_error {
+            return Err(error);
         }
         // A failed read ahead has aborted the transaction too (its COMMIT
         // would only roll back): its error ends the claim. A batch read is

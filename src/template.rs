@@ -233,11 +233,14 @@ impl MessageId {
 
     /// The `message_id` of row `id`.
     pub fn render(&self, id: i64) -> String {
-        let mut rendered = String::new();
+        use std::fmt::Write as _;
+        let mut rendered = String::with_capacity(self.longest());
         for part in &self.parts {
             match part {
                 Part::Text(text) => rendered.push_str(text),
-                Part::Field(()) => rendered.push_str(&id.to_string()),
+                Part::Field(()) => {
+                    let _ = write!(rendered, "{id}");
+                }
             }
         }
         rendered
