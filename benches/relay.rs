@@ -70,11 +70,14 @@
 //!    every 1.5 s and once beside two scrapers back to back: the rendered
 //!    scrape's median time, the probe's p99 delay (commit returned to
 //!    arrival) in each.
+//! 10. launch — BENCH_LAUNCH_ROWS (10,000) rows over 10 tenants, pending
+//!    before the relay starts: seconds from launching its process to its
+//!    last row marked, the measure a standalone peer reports.
 //!
 //! Knobs (environment): BENCH_ROWS (100000), BENCH_RUNS (3), BENCH_RATE
 //! (1000 rows/s), BENCH_STEADY_SECS (20), BENCH_IDLE_SECS (10), BENCH_ONLY
 //! (comma-separated scenario names: ceiling, drain, steady, latency,
-//! producers, hot, memory, idle, drain4k, scale, retention, scrape), BENCH_DRAIN (drain shapes, of 256 B
+//! producers, hot, memory, idle, launch, drain4k, scale, retention, scrape), BENCH_DRAIN (drain shapes, of 256 B
 //! and 4 KiB alike, e.g. `100x3,1x1,1x1/backlog`), BENCH_RELAY_LOG (the
 //! relays' log filter, their logs on stdout: `outbox_relay::relay=debug`
 //! gives each sweep's claim, publish and settle times), BENCH_VERBOSE (per run: rates, CPU
@@ -84,7 +87,11 @@
 //! relay to run instead of this one, with its own migrations: A/B against an
 //! earlier commit), BENCH_SCALE (the scale scenario's parts: drain, memory,
 //! trickle), BENCH_SCALE_RELAYS (its replica counts, `1,3,6`),
-//! BENCH_SCALE_LISTED (list the 10,000 names instead of `*`), plus OUTBOX_BATCH_SIZE,
+//! BENCH_SCALE_LISTED (list the 10,000 names instead of `*`),
+//! BENCH_LAUNCH_ROWS (the launch scenario's rows, 10,000),
+//! BENCH_CEILING_PLAIN (the broker alone publishes plain messages, three
+//! properties and no headers, to set this client beside standalone
+//! publishing benchmarks on their own messages), plus OUTBOX_BATCH_SIZE,
 //! OUTBOX_MAX_IN_FLIGHT, OUTBOX_CONCURRENCY, OUTBOX_POLL_MS, OUTBOX_WAKEUP passed to the
 //! relays. Results: a table on stdout and `target/bench-relay.json`.
 
@@ -855,6 +862,17 @@ fn tenants(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("t{i:04}")).collect()
 }
 
+/// BENCH_CEILING_PLAIN: the broker alone publishes messages with three
+/// properties and no headers (delivery mode, content type, message id), as
+/// the usual standalone publishing benchmarks do, to compare this client with
+/// them on the same messages; by default it publishes the relay's envelope.
+fn plain_properties(id: i64) -> BasicProperties {
+    BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_content_type("application/json".into())
+        .with_message_id(id.to_string().into())
+}
+
 fn payload_properties(id: i64) -> BasicProperties {
     let mut headers = FieldTable::default();
     headers.insert("outbox-id".into(), AMQPValue::LongLongInt(id));
@@ -897,6 +915,7 @@ async fn broker_ceiling(rows: u64, size: usize, window: usize, setting: Setting)
         .expect("confirms");
     let services_before = service_cpu();
     let body = vec![b'x'; size];
+    let plain = std::env::var_os("BENCH_CEILING_PLAIN").is_some();
     let mut id = 0i64;
     while (id as u64) < rows {
         let mut confirms: Vec<Confirm<'_>> = Vec::with_capacity(window);
@@ -910,7 +929,11 @@ async fn broker_ceiling(rows: u64, size: usize, window: usize, setting: Setting)
                     immediate: false,
                 },
                 &body,
-                payload_properties(id),
+                if plain {
+                    plain_properties(id)
+                } else {
+                    payload_properties(id)
+                },
             );
             let publish: Pin<Box<dyn Future<Output = lapin::Result<Confirmation>> + Send + '_>> =
                 Box::pin(async move { send.await?.await });
@@ -1076,6 +1099,36 @@ async fn drain(rows: u64, size: usize, shape: Shape) -> Run {
         rate,
         cpu_us: machine_cpu,
     }
+}
+
+/// `rows` rows of 256 B over `tenant_count` tenants, pending before the
+/// relay starts: seconds from launching its process to its last row marked
+/// (the whole job as a user sees it, start-up included), asked every 5 ms.
+/// The same measure as a standalone peer's `N msgs in S s`.
+async fn from_launch(rows: u64, tenant_count: usize) -> f64 {
+    let table = Table::create().await;
+    let exchange = Exchange::create(false).await;
+    let names = tenants(tenant_count);
+    table.fill(&names, rows, 256).await;
+    let started = Instant::now();
+    let relay = RelayProcess::spawn(&table, &exchange, &names);
+    let deadline = started + Duration::from_secs(600);
+    while table.pending().await > 0 {
+        assert!(Instant::now() < deadline, "launch: rows still pending");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let took = started.elapsed().as_secs_f64();
+    relay.stop();
+    assert!(
+        exchange
+            .wait_for(rows as usize, Duration::from_secs(60))
+            .await,
+        "launch: {} of {rows} arrived",
+        exchange.count()
+    );
+    exchange.delete().await;
+    table.drop().await;
+    took
 }
 
 /// A writer at `rate` rows/s over 10 tenants for `duration`, against a relay
@@ -2542,6 +2595,29 @@ async fn main() {
             None,
         );
     }
+    if knobs.wants("launch") {
+        // As a standalone peer is measured: 10,000 rows over 10 tenants.
+        let rows = env_num("BENCH_LAUNCH_ROWS", 10_000);
+        let mut took = Figure { runs: Vec::new() };
+        for _ in 0..runs {
+            took.runs.push(from_launch(rows, 10).await);
+        }
+        report.add(
+            &format!("from launch to the last of {rows} rows marked, 10 tenants"),
+            "s",
+            &took,
+            None,
+        );
+        report.add(
+            "  the same, as a rate",
+            "msg/s",
+            &Figure {
+                runs: took.runs.iter().map(|s| rows as f64 / s).collect(),
+            },
+            None,
+        );
+    }
+
     if knobs.wants("drain4k") {
         drains(
             &mut report,
