@@ -71,8 +71,8 @@
 //!    scrape's median time, the probe's p99 delay (commit returned to
 //!    arrival) in each.
 //! 10. launch — BENCH_LAUNCH_ROWS (10,000) rows over 10 tenants, pending
-//!    before the relay starts: seconds from launching its process to its
-//!    last row marked, the measure a standalone peer reports.
+//!     before the relay starts: seconds from launching its process to its
+//!     last row marked, the measure a standalone peer reports.
 //!
 //! Knobs (environment): BENCH_ROWS (100000), BENCH_RUNS (3), BENCH_RATE
 //! (1000 rows/s), BENCH_STEADY_SECS (20), BENCH_IDLE_SECS (10), BENCH_ONLY
