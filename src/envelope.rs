@@ -26,6 +26,8 @@
 
 use bytes::Bytes;
 use lapin::BasicProperties;
+use std::collections::BTreeMap;
+
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use time::format_description::well_known::Rfc3339;
 
@@ -111,6 +113,22 @@ impl Envelope {
         row: &OutboxRow,
         frame_max: u32,
     ) -> Result<Message, Refusal> {
+        self.message_traced(tenant, row, frame_max, |_| None)
+    }
+
+    /// As [`Envelope::message`], and `trace` is asked, once the routing key,
+    /// the message id and the row's own trace context are known, for the
+    /// trace context the message carries instead of the row's
+    /// (`traceparent`, and `tracestate` or none if empty: the relay's span).
+    /// The row's own is kept if the properties would then no longer fit one
+    /// frame of `frame_max`.
+    pub fn message_traced(
+        &self,
+        tenant: &str,
+        row: &OutboxRow,
+        frame_max: u32,
+        trace: impl FnOnce(Traced<'_>) -> Option<(String, String)>,
+    ) -> Result<Message, Refusal> {
         let too_large = |bytes: u64| {
             Refusal::new(
                 FailureReason::TooLarge,
@@ -152,7 +170,7 @@ impl Envelope {
                     format!("occurred_at cannot be formatted: {e}"),
                 )
             })?;
-        let mut headers = FieldTable::default();
+        let mut headers = BTreeMap::new();
         headers.insert("outbox-id".into(), AMQPValue::LongLongInt(row.id));
         headers.insert("outbox-tenant-id".into(), long_string(tenant));
         headers.insert("outbox-subject-id".into(), long_string(&row.subject_id));
@@ -167,15 +185,41 @@ impl Envelope {
             merge_row_headers(&mut headers, extra)?;
         }
 
+        let message_id = ShortString::from(self.message_id.render(row.id));
+        let (traceparent, tracestate) = header_text(&headers);
+        let context = trace(Traced {
+            routing_key: routing_key.as_str(),
+            message_id: message_id.as_str(),
+            traceparent,
+            tracestate,
+        });
+        let rows_own = context.map(|(traceparent, tracestate)| {
+            replace_trace_context(&mut headers, &traceparent, &tracestate)
+        });
         let properties = BasicProperties::default()
-            .with_message_id(self.message_id.render(row.id).into())
+            .with_message_id(message_id)
             .with_type(kind)
             .with_timestamp(u64::try_from(row.occurred_at.unix_timestamp()).unwrap_or(0))
             .with_delivery_mode(2)
             .with_content_type(self.content_type.clone())
             .with_app_id(APP_ID.into())
-            .with_headers(headers);
-        fits_one_frame(&properties, frame_max)?;
+            .with_headers(FieldTable::from(headers));
+        let properties = match (fits_one_frame(&properties, frame_max), rows_own) {
+            (Ok(()), _) => properties,
+            (Err(refusal), None) => return Err(refusal),
+            // Too large with the relay's trace context: the row's own again.
+            (Err(_), Some(rows_own)) => {
+                let mut headers = properties
+                    .headers()
+                    .as_ref()
+                    .map(|table| table.inner().clone())
+                    .unwrap_or_default();
+                restore_trace_context(&mut headers, rows_own);
+                let properties = properties.with_headers(FieldTable::from(headers));
+                fits_one_frame(&properties, frame_max)?;
+                properties
+            }
+        };
         Ok(Message {
             routing_key,
             properties,
@@ -184,55 +228,64 @@ impl Envelope {
     }
 }
 
-/// The trace context headers (W3C): a row's own pass through unchanged,
-/// unless the relay's span replaces them (see [`with_trace_context`]).
-pub const TRACEPARENT: &str = "traceparent";
-pub const TRACESTATE: &str = "tracestate";
+/// What a row's span starts from, while its message is built (see
+/// [`Envelope::message_traced`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Traced<'a> {
+    pub routing_key: &'a str,
+    pub message_id: &'a str,
+    /// The row's own `traceparent` and `tracestate`, when strings.
+    pub traceparent: Option<&'a str>,
+    pub tracestate: Option<&'a str>,
+}
 
-/// The row's `traceparent` and `tracestate` among the message's headers,
-/// when they are strings.
-pub fn trace_context(properties: &BasicProperties) -> (Option<&str>, Option<&str>) {
-    let text = |name: &str| match properties.headers().as_ref()?.inner().get(name)? {
+type Headers = BTreeMap<ShortString, AMQPValue>;
+
+/// The row's own trace context headers, as [`replace_trace_context`] found
+/// them.
+type TraceHeaders = (Option<AMQPValue>, Option<AMQPValue>);
+
+/// The `traceparent` and `tracestate` among `headers`, when strings.
+fn header_text(headers: &Headers) -> (Option<&str>, Option<&str>) {
+    let text = |name: &str| match headers.get(name)? {
         AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
         _ => None,
     };
     (text(TRACEPARENT), text(TRACESTATE))
 }
 
-/// `message` carrying `traceparent` (and `tracestate`, or none if it is
-/// empty) instead of the row's own: the relay's span. Kept as it was if the
-/// properties would no longer fit one frame of `frame_max`.
-pub fn with_trace_context(
-    message: Message,
+/// Puts `traceparent` (and `tracestate`, or none if it is empty) in
+/// `headers` instead of the row's own, which it returns.
+fn replace_trace_context(
+    headers: &mut Headers,
     traceparent: &str,
     tracestate: &str,
-    frame_max: u32,
-) -> Message {
-    let mut headers = message
-        .properties
-        .headers()
-        .as_ref()
-        .map(|table| table.inner().clone())
-        .unwrap_or_default();
-    headers.insert(TRACEPARENT.into(), long_string(traceparent));
-    if tracestate.is_empty() {
+) -> TraceHeaders {
+    let parent = headers.insert(TRACEPARENT.into(), long_string(traceparent));
+    let state = if tracestate.is_empty() {
         // The row's own belonged to another trace context, or to none.
-        headers.remove(TRACESTATE);
+        headers.remove(TRACESTATE)
     } else {
-        headers.insert(TRACESTATE.into(), long_string(tracestate));
-    }
-    let properties = message
-        .properties
-        .clone()
-        .with_headers(FieldTable::from(headers));
-    if fits_one_frame(&properties, frame_max).is_err() {
-        return message;
-    }
-    Message {
-        properties,
-        ..message
+        headers.insert(TRACESTATE.into(), long_string(tracestate))
+    };
+    (parent, state)
+}
+
+/// Puts the row's own trace context headers back (see
+/// [`replace_trace_context`]).
+fn restore_trace_context(headers: &mut Headers, (parent, state): TraceHeaders) {
+    for (name, value) in [(TRACEPARENT, parent), (TRACESTATE, state)] {
+        match value {
+            Some(value) => headers.insert(name.into(), value),
+            None => headers.remove(name),
+        };
     }
 }
+
+/// The trace context headers (W3C): a row's own pass through unchanged,
+/// unless the relay's span replaces them (see [`Envelope::message_traced`]).
+pub const TRACEPARENT: &str = "traceparent";
+pub const TRACESTATE: &str = "tracestate";
 
 /// The size of the content header frame that carries `properties`, encoded
 /// by the AMQP library exactly as it will be sent.
@@ -345,7 +398,7 @@ fn long_string(value: &str) -> AMQPValue {
 /// dropping data silently. The text is read straight into the header table,
 /// one name and value at a time: the row's headers are never held decoded
 /// twice (a table of small keys takes some ten times its JSON).
-fn merge_row_headers(headers: &mut FieldTable, json: &[u8]) -> Result<(), Refusal> {
+fn merge_row_headers(headers: &mut Headers, json: &[u8]) -> Result<(), Refusal> {
     let mut refusal = None;
     let mut reader = serde_json::Deserializer::from_slice(json);
     let read = serde::Deserializer::deserialize_any(
@@ -371,7 +424,7 @@ fn merge_row_headers(headers: &mut FieldTable, json: &[u8]) -> Result<(), Refusa
 /// [`merge_row_headers`]); a refusal stops the reading and is left in
 /// `refusal`.
 struct RowHeaders<'a> {
-    headers: &'a mut FieldTable,
+    headers: &'a mut Headers,
     refusal: &'a mut Option<Refusal>,
 }
 
@@ -638,43 +691,80 @@ mod tests {
         assert_eq!(header(&m, "outbox-tombstone"), None);
     }
 
+    /// The row's trace context as the hook saw it, and the message built
+    /// with `replaced` as the relay's.
+    fn traced(
+        r: &OutboxRow,
+        frame_max: u32,
+        replaced: (&str, &str),
+    ) -> (
+        Option<(Option<String>, Option<String>)>,
+        Result<Message, Refusal>,
+    ) {
+        let mut seen = None;
+        let m = envelope().message_traced("acme", r, frame_max, |t| {
+            assert_eq!(t.routing_key, "acme.order.created");
+            assert_eq!(t.message_id, r.id.to_string());
+            seen = Some((
+                t.traceparent.map(str::to_owned),
+                t.tracestate.map(str::to_owned),
+            ));
+            Some((replaced.0.to_owned(), replaced.1.to_owned()))
+        });
+        (seen, m)
+    }
+
+    const ROWS: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    const RELAYS: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-b7ad6b7169203331-01";
+
     #[test]
     fn the_trace_context_is_read_and_replaced_and_the_rest_kept() {
-        const ROWS: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-        const RELAYS: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-b7ad6b7169203331-01";
         let r = row(
             Some("x"),
             Some(json!({"traceparent": ROWS, "tracestate": "v=1", "n": 3})),
         );
-        let m = message(&r).unwrap();
-        assert_eq!(trace_context(&m.properties), (Some(ROWS), Some("v=1")));
-        let m = with_trace_context(m, RELAYS, "v=1", FRAME_MAX);
+        let (seen, m) = traced(&r, FRAME_MAX, (RELAYS, "v=1"));
+        assert_eq!(seen, Some((Some(ROWS.into()), Some("v=1".into()))));
+        let m = m.unwrap();
         assert_eq!(header(&m, "traceparent"), Some(&long_string(RELAYS)));
         assert_eq!(header(&m, "tracestate"), Some(&long_string("v=1")));
         assert_eq!(header(&m, "n"), Some(&AMQPValue::LongLongInt(3)));
         assert_eq!(header(&m, "outbox-tenant-id"), Some(&long_string("acme")));
         // A root span has no tracestate: a row's stray one is dropped.
         let r = row(Some("x"), Some(json!({"tracestate": "v=1"})));
-        let m = with_trace_context(message(&r).unwrap(), RELAYS, "", FRAME_MAX);
+        let m = traced(&r, FRAME_MAX, (RELAYS, "")).1.unwrap();
         assert_eq!(header(&m, "traceparent"), Some(&long_string(RELAYS)));
         assert_eq!(header(&m, "tracestate"), None);
         // A non-string traceparent is no trace context.
         let r = row(Some("x"), Some(json!({"traceparent": 7})));
-        assert_eq!(
-            trace_context(&message(&r).unwrap().properties),
-            (None, None)
-        );
+        assert_eq!(traced(&r, FRAME_MAX, (RELAYS, "")).0, Some((None, None)));
+        // With no hook, the row's own pass through.
+        let r = row(Some("x"), Some(json!({"traceparent": ROWS})));
+        let m = message(&r).unwrap();
+        assert_eq!(header(&m, "traceparent"), Some(&long_string(ROWS)));
     }
 
     #[test]
     fn a_trace_context_that_would_not_fit_the_frame_leaves_the_message_as_it_was() {
+        // No trace context of the row's own: none is added.
         let r = row(Some("x"), None);
-        let m = message(&r).unwrap();
-        let len = content_header_frame_len(&m.properties).unwrap();
+        let len = content_header_frame_len(&message(&r).unwrap().properties).unwrap();
         let frame_max = u32::try_from(len + 10).unwrap();
-        let relays = "00-4bf92f3577b34da6a3ce929d0e0e4736-b7ad6b7169203331-01";
-        let m = with_trace_context(m, relays, "", frame_max);
+        let m = traced(&r, frame_max, (RELAYS, "")).1.unwrap();
         assert_eq!(header(&m, "traceparent"), None);
+        // The row's own (shorter than the relay's, with its tracestate) are
+        // put back, and the message still goes.
+        let r = row(
+            Some("x"),
+            Some(json!({"traceparent": "00-ab-01", "tracestate": "v=1"})),
+        );
+        let own = message(&r).unwrap();
+        let len = content_header_frame_len(&own.properties).unwrap();
+        let frame_max = u32::try_from(len + 10).unwrap();
+        let m = traced(&r, frame_max, (RELAYS, "")).1.unwrap();
+        assert_eq!(header(&m, "traceparent"), Some(&long_string("00-ab-01")));
+        assert_eq!(header(&m, "tracestate"), Some(&long_string("v=1")));
+        assert_eq!(m.properties, own.properties);
     }
 
     #[test]

@@ -626,15 +626,11 @@ impl Publishing<'_> {
                 report.refuse(index, Refusal::shared(FailureReason::Timeout, BLOCKED));
                 break;
             }
-            let sent = match inner.envelope.message(self.tenant, row, frame_max) {
+            let exchange = inner.exchange.as_str();
+            let (message, span) =
+                spans::message(&inner.envelope, exchange, self.tenant, row, frame_max);
+            let sent = match message {
                 Ok(message) => {
-                    let (message, span) = spans::start(
-                        inner.exchange.as_str(),
-                        self.tenant,
-                        row,
-                        message,
-                        frame_max,
-                    );
                     let sent = isolation::send_alone(
                         &inner.isolation,
                         &channel,
@@ -652,11 +648,7 @@ impl Publishing<'_> {
                     }
                     sent
                 }
-                Err(refusal) => {
-                    let exchange = inner.exchange.as_str();
-                    spans::refused_unsent(&inner.envelope, exchange, self.tenant, row, &refusal);
-                    Err(refusal)
-                }
+                Err(refusal) => Err(refusal),
             };
             match sent {
                 Ok(confirmed_at) => report.confirmed_at.push(confirmed_at),
@@ -693,10 +685,11 @@ impl Publishing<'_> {
         self.sent += 1;
         let inner = &self.publisher.inner;
         let frame_max = channel.frame_max();
-        match inner.envelope.message(self.tenant, row, frame_max) {
+        let exchange = inner.exchange.as_str();
+        let (message, span) =
+            spans::message(&inner.envelope, exchange, self.tenant, row, frame_max);
+        match message {
             Ok(message) => {
-                let exchange = inner.exchange.as_str();
-                let (message, span) = spans::start(exchange, self.tenant, row, message, frame_max);
                 if let Some(span) = span {
                     self.spans.resize_with(index, || None);
                     self.spans.push(Some(span));
@@ -709,11 +702,7 @@ impl Publishing<'_> {
                     Instant::now() + inner.confirm_timeout,
                 );
             }
-            Err(refusal) => {
-                let exchange = inner.exchange.as_str();
-                spans::refused_unsent(&inner.envelope, exchange, self.tenant, row, &refusal);
-                self.batch.state().report.refuse(index, refusal);
-            }
+            Err(refusal) => self.batch.state().report.refuse(index, refusal),
         }
     }
 

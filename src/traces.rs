@@ -22,7 +22,8 @@ mod parent;
 mod settings;
 
 use std::borrow::Cow;
-use std::sync::{Arc, LazyLock, OnceLock};
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
 use opentelemetry::trace::{
@@ -102,6 +103,23 @@ impl Exporting {
     }
 }
 
+/// The start of a publish span's name.
+const PUBLISH: &str = "publish ";
+
+/// `publish <exchange>`, made once per exchange and kept for the process: a
+/// span's name and attributes are either `'static` or allocated for each
+/// span, and a relay publishes to one exchange.
+fn publish_name(exchange: &str) -> &'static str {
+    static NAMES: LazyLock<Mutex<HashMap<String, &'static str>>> = LazyLock::new(Mutex::default);
+    let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(name) = names.get(exchange) {
+        return name;
+    }
+    let name: &'static str = Box::leak(format!("{PUBLISH}{exchange}").into_boxed_str());
+    names.insert(exchange.to_owned(), name);
+    name
+}
+
 /// Whether rows get spans (tracing was installed).
 pub fn enabled() -> bool {
     TRACER.get().is_some()
@@ -161,14 +179,15 @@ impl PublishSpan {
         } else {
             publish.exchange
         };
+        let name = publish_name(exchange);
         let span = tracer
-            .span_builder(format!("publish {exchange}"))
+            .span_builder(name)
             .with_kind(SpanKind::Producer)
             .with_attributes([
                 KeyValue::new("messaging.system", "rabbitmq"),
                 KeyValue::new("messaging.operation.type", "send"),
                 KeyValue::new("messaging.operation.name", "publish"),
-                KeyValue::new("messaging.destination.name", exchange.to_string()),
+                KeyValue::new("messaging.destination.name", &name[PUBLISH.len()..]),
                 KeyValue::new(
                     "messaging.rabbitmq.destination.routing_key",
                     publish.routing_key.to_string(),
@@ -227,5 +246,19 @@ impl PublishSpan {
             Status::error(Cow::Owned(format!("{reason}: {detail}"))),
         );
         opentelemetry::trace::Span::end(&mut self.span);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_span_name_is_made_once_per_exchange() {
+        let orders = publish_name("orders");
+        assert_eq!(orders, "publish orders");
+        assert!(std::ptr::eq(orders, publish_name("orders")));
+        assert_eq!(publish_name("audit"), "publish audit");
+        assert_eq!(&orders[PUBLISH.len()..], "orders");
     }
 }

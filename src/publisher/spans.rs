@@ -1,5 +1,5 @@
 //! Each row's span (see `traces`), as the publisher starts and ends it: it
-//! starts when the row's message is built, puts itself in the message's
+//! starts as the row's message is built, puts itself in the message's
 //! trace context when sampled, and ends at the broker's confirm or with the
 //! row's refusal. With tracing off, nothing here runs but a check.
 
@@ -8,46 +8,54 @@ use std::time::SystemTime;
 use time::OffsetDateTime;
 
 use crate::domain::{OutboxRow, Refusal};
-use crate::envelope::{self, Envelope, Message};
+use crate::envelope::{Envelope, Message};
 use crate::traces::{self, Publish, PublishSpan};
 
-/// The row's span, started (tracing on), and `message` carrying it.
-pub(super) fn start(
+/// The message for `row` (see [`Envelope::message`]) and, tracing on, the
+/// row's span, started as the message is built and carried in its trace
+/// context when sampled. A row the envelope refuses has its span ended with
+/// the refusal here, and none is returned.
+pub(super) fn message(
+    envelope: &Envelope,
     exchange: &str,
     tenant: &str,
     row: &OutboxRow,
-    message: Message,
     frame_max: u32,
-) -> (Message, Option<PublishSpan>) {
+) -> (Result<Message, Refusal>, Option<PublishSpan>) {
     if !traces::enabled() {
-        return (message, None);
+        return (envelope.message(tenant, row, frame_max), None);
     }
-    let (traceparent, tracestate) = envelope::trace_context(&message.properties);
-    let message_id = message.properties.message_id().as_ref();
-    let span = PublishSpan::start(
-        Publish {
-            exchange,
-            routing_key: message.routing_key.as_str(),
-            message_id: message_id.map_or("", |id| id.as_str()),
-            tenant,
-            kind: &row.kind,
-            delay_ms: delay_ms(row),
-        },
-        traceparent,
-        tracestate,
-    );
-    match span.as_ref().and_then(PublishSpan::headers) {
-        Some((traceparent, tracestate)) => (
-            envelope::with_trace_context(message, &traceparent, &tracestate, frame_max),
-            span,
-        ),
-        None => (message, span),
+    let mut span = None;
+    let message = envelope.message_traced(tenant, row, frame_max, |traced| {
+        span = PublishSpan::start(
+            Publish {
+                exchange,
+                routing_key: traced.routing_key,
+                message_id: traced.message_id,
+                tenant,
+                kind: &row.kind,
+                delay_ms: delay_ms(row),
+            },
+            traced.traceparent,
+            traced.tracestate,
+        );
+        span.as_ref().and_then(PublishSpan::headers)
+    });
+    match message {
+        Ok(message) => (Ok(message), span),
+        Err(refusal) => {
+            match span {
+                Some(span) => refused(span, tenant, row.id, &refusal),
+                None => refused_unsent(envelope, exchange, tenant, row, &refusal),
+            }
+            (Err(refusal), None)
+        }
     }
 }
 
 /// The span of a row the envelope refused before anything was sent: it
 /// starts and ends at once, a root (the row's headers may be what is wrong).
-pub(super) fn refused_unsent(
+fn refused_unsent(
     envelope: &Envelope,
     exchange: &str,
     tenant: &str,
