@@ -691,16 +691,13 @@ mod tests {
         assert_eq!(header(&m, "outbox-tombstone"), None);
     }
 
+    /// The row's own `traceparent` and `tracestate`, as the hook saw them.
+    type Seen = (Option<String>, Option<String>);
+    type Built = Result<Message, Refusal>;
+
     /// The row's trace context as the hook saw it, and the message built
     /// with `replaced` as the relay's.
-    fn traced(
-        r: &OutboxRow,
-        frame_max: u32,
-        replaced: (&str, &str),
-    ) -> (
-        Option<(Option<String>, Option<String>)>,
-        Result<Message, Refusal>,
-    ) {
+    fn traced(r: &OutboxRow, frame_max: u32, replaced: (&str, &str)) -> (Option<Seen>, Built) {
         let mut seen = None;
         let m = envelope().message_traced("acme", r, frame_max, |t| {
             assert_eq!(t.routing_key, "acme.order.created");
