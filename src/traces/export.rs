@@ -9,9 +9,9 @@
 //! of a batch that failed (unreachable, slow or black-hole endpoint).
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
@@ -24,6 +24,35 @@ use opentelemetry_sdk::trace::{
 use prometheus::IntCounter;
 
 use super::settings::{Export, MAX_EXPORT_BATCH, Sampling};
+use crate::redact::redact_url;
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `text` with the password of every URL in it masked (see [`redact_url`]).
+fn scrub_urls(text: &str) -> String {
+    let mut scrubbed = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(start) = rest.find(|c: char| !is_url_boundary(c)) {
+        scrubbed.push_str(&rest[..start]);
+        rest = &rest[start..];
+        let end = rest.find(is_url_boundary).unwrap_or(rest.len());
+        let word = &rest[..end];
+        if word.contains("://") {
+            scrubbed.push_str(&redact_url(word));
+        } else {
+            scrubbed.push_str(word);
+        }
+        rest = &rest[end..];
+    }
+    scrubbed.push_str(rest);
+    scrubbed
+}
+
+fn is_url_boundary(c: char) -> bool {
+    c.is_whitespace() || matches!(c, '(' | ')' | '"' | '\'' | '<' | '>' | ',')
+}
 
 /// Spans finished and not yet handed to the exporter: the queue's length,
 /// or a little more (the batch being gathered), never less.
@@ -59,6 +88,7 @@ pub fn provider(
         inner: exporter,
         queue: queue.clone(),
         dropped: dropped.clone(),
+        failures: Mutex::new(Failures::default()),
     };
     let batches = BatchConfigBuilder::default()
         .with_max_queue_size(export.max_queue_size)
@@ -135,12 +165,41 @@ impl SpanProcessor for BoundedProcessor {
     }
 }
 
-/// The OTLP exporter, counting the spans of each batch that failed.
+/// How often, at most, a failing export is logged.
+const FAILURE_LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// The OTLP exporter, counting the spans of each batch that failed, and
+/// saying so in the log: the first failure, then at most once every
+/// [`FAILURE_LOG_EVERY`] while they go on.
 #[derive(Debug)]
 struct CountingExporter<E> {
     inner: E,
     queue: Arc<Queue>,
     dropped: IntCounter,
+    failures: Mutex<Failures>,
+}
+
+/// Failed exports since the last one logged.
+#[derive(Debug, Default)]
+struct Failures {
+    logged_at: Option<Instant>,
+    spans: usize,
+}
+
+impl Failures {
+    /// Counts a failed export of `spans`; the spans to report, when a line
+    /// is due.
+    fn failed(&mut self, spans: usize, now: Instant) -> Option<usize> {
+        self.spans += spans;
+        let due = self
+            .logged_at
+            .is_none_or(|at| now.duration_since(at) >= FAILURE_LOG_EVERY);
+        if !due {
+            return None;
+        }
+        self.logged_at = Some(now);
+        Some(std::mem::take(&mut self.spans))
+    }
 }
 
 impl<E: SpanExporter> SpanExporter for CountingExporter<E> {
@@ -148,8 +207,17 @@ impl<E: SpanExporter> SpanExporter for CountingExporter<E> {
         let spans = batch.len();
         self.queue.queued.fetch_sub(spans, Ordering::Relaxed);
         let result = self.inner.export(batch).await;
-        if result.is_err() {
+        if let Err(error) = &result {
             self.dropped.inc_by(spans as u64);
+            let due = lock(&self.failures).failed(spans, Instant::now());
+            if let Some(dropped) = due {
+                // The error may quote the endpoint: without its password.
+                tracing::warn!(
+                    dropped,
+                    error = %scrub_urls(&error.to_string()),
+                    "span export failed; the spans are dropped (rows are published as before)"
+                );
+            }
         }
         result
     }
@@ -164,5 +232,37 @@ impl<E: SpanExporter> SpanExporter for CountingExporter<E> {
 
     fn set_resource(&mut self, resource: &Resource) {
         self.inner.set_resource(resource);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failing_export_is_logged_first_then_once_a_minute_with_what_it_dropped() {
+        let mut failures = Failures::default();
+        let start = Instant::now();
+        assert_eq!(failures.failed(512, start), Some(512));
+        assert_eq!(failures.failed(512, start + Duration::from_secs(5)), None);
+        assert_eq!(failures.failed(100, start + Duration::from_secs(59)), None);
+        assert_eq!(
+            failures.failed(1, start + Duration::from_secs(60)),
+            Some(613)
+        );
+        assert_eq!(failures.failed(1, start + Duration::from_secs(61)), None);
+    }
+
+    #[test]
+    fn urls_in_an_error_lose_their_password() {
+        let error =
+            "error sending request for url (http://otel:s3cret@collector:4318/v1/traces): refused";
+        let scrubbed = scrub_urls(error);
+        assert!(!scrubbed.contains("s3cret"), "{scrubbed}");
+        assert_eq!(
+            scrubbed,
+            "error sending request for url (http://otel:***@collector:4318/v1/traces): refused"
+        );
+        assert_eq!(scrub_urls("timed out after 10s"), "timed out after 10s");
     }
 }

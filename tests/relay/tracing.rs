@@ -403,6 +403,62 @@ async fn a_black_hole_endpoint_drops_spans_counted_and_holds_up_no_row() {
     outbox.drop_schema().await;
 }
 
+/// An endpoint that refuses connections: every export fails at once; the
+/// relay says so in its log (once, not per export, and without the
+/// endpoint's password), counts the spans, and publishes every row.
+#[tokio::test]
+async fn a_refusing_endpoint_is_logged_once_without_its_password_and_holds_up_no_row() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["a.#"]).await;
+    let closed = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.local_addr().expect("address")
+    };
+    let rows = 50;
+    outbox.insert_many("a", rows).await;
+    let mut env = traced_env(&outbox, &broker, &format!("http://otel:s3cret@{closed}"));
+    set_env(&mut env, "OTEL_BSP_SCHEDULE_DELAY", "50");
+    let (relay, addr) = spawn_relay(&env).await;
+    eventually(
+        "every row published and marked",
+        Duration::from_secs(20),
+        || async { broker.count() == rows as usize && outbox.pending("a").await == 0 },
+    )
+    .await;
+    eventually(
+        "the failed exports counted",
+        Duration::from_secs(10),
+        || async move {
+            let (_, body) = http_get(addr, "/metrics").await;
+            metric(&body, "outbox_trace_spans_dropped_total").unwrap_or(0.0) >= rows as f64
+        },
+    )
+    .await;
+    let failures: Vec<serde_json::Value> = relay
+        .output()
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|entry| {
+            entry["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("span export failed"))
+        })
+        .collect();
+    assert_eq!(
+        failures.len(),
+        1,
+        "one line for the first failure: {failures:?}"
+    );
+    assert_eq!(failures[0]["level"], "WARN");
+    assert!(failures[0]["dropped"].as_u64().is_some_and(|n| n > 0));
+    assert!(
+        !relay.output().contains("s3cret"),
+        "the endpoint's password is never printed"
+    );
+    broker.delete().await;
+    outbox.drop_schema().await;
+}
+
 #[tokio::test]
 async fn check_config_shows_where_spans_go_and_no_header_value() {
     let output = relay_command()
