@@ -580,9 +580,42 @@ async fn record(
 /// `schema`.`table`, each in its transaction (or statement by statement when
 /// marked) and recorded as `migrate` records it. Every migration is
 /// idempotent, so the script may run again.
+/// As [`run`] does, a table whose commit-order trigger the script installs
+/// (0002 not recorded when it starts) is finished at its end ([`FINISH`]), and
+/// so is a table finished already (0006 recorded), which the script's 0005
+/// would otherwise put back in the exclusive mode: psql's `\if` on what the
+/// script found at its start.
 pub fn script(schema: &str, table: &str) -> String {
-    script_of(MIGRATIONS, schema, table)
+    let recorded = |version: i32| {
+        RECORDED
+            .replace(
+                "FROM outbox_relay_migrations",
+                &format!("FROM {}.outbox_relay_migrations", quote_ident(schema)),
+            )
+            .replace("$1", &quote_literal(table))
+            .replace("$2", &version.to_string())
+    };
+    let mut out = preamble(schema, table);
+    out += &format!(
+        "\n-- Whether the table takes the second step at the end: this script installs \
+         the commit-order trigger (0002 not recorded yet, so no writer ever took the \
+         exclusive lock), or the table took it already.\n\
+         SELECT NOT EXISTS ({}) OR EXISTS ({}) AS {SHARED_VAR} \\gset\n",
+        recorded(2),
+        recorded(FINISH.version),
+    );
+    for migration in MIGRATIONS {
+        out += &block(migration, schema, table);
+    }
+    out += &format!("\n\\if :{SHARED_VAR}");
+    out += &block(&FINISH, schema, table);
+    out += "\\endif\n";
+    out
 }
+
+/// The psql variable the printed script sets when the table is to end in
+/// the shared mode.
+const SHARED_VAR: &str = "outbox_relay_writers_shared";
 
 /// `outbox-relay migrate --finish --print`: the second step alone (see
 /// [`FINISH`]), for a table the script of [`script`] upgraded.
@@ -591,6 +624,15 @@ pub fn finish_script(schema: &str, table: &str) -> String {
 }
 
 fn script_of(migrations: &[Migration], schema: &str, table: &str) -> String {
+    let mut out = preamble(schema, table);
+    for migration in migrations {
+        out += &block(migration, schema, table);
+    }
+    out
+}
+
+/// A printed script's start: its title, the schema, the record table.
+fn preamble(schema: &str, table: &str) -> String {
     let mut out = format!(
         "-- outbox-relay {}: the migrations of {}.{}\n\
          -- Apply with: psql -v ON_ERROR_STOP=1 -f <this file>\n\n\
@@ -606,58 +648,62 @@ fn script_of(migrations: &[Migration], schema: &str, table: &str) -> String {
         bounds(),
         schema_ident = quote_ident(schema)
     );
-    for migration in migrations {
-        let sql = migration.render(schema, table);
-        let record = format!(
-            "INSERT INTO outbox_relay_migrations (table_name, version, name)\n    \
+    out
+}
+
+/// One migration of a printed script, recorded as `migrate` records it.
+fn block(migration: &Migration, schema: &str, table: &str) -> String {
+    let mut out = String::new();
+    let sql = migration.render(schema, table);
+    let record = format!(
+        "INSERT INTO outbox_relay_migrations (table_name, version, name)\n    \
              VALUES ({}, {}, {}) ON CONFLICT DO NOTHING;\n",
-            quote_literal(table),
-            migration.version,
-            quote_literal(migration.name)
+        quote_literal(table),
+        migration.version,
+        quote_literal(migration.name)
+    );
+    out += &format!("\n-- {}\n", migration.name);
+    if migration.in_transaction() {
+        out += &format!(
+            "BEGIN;\n{}{}\n{record}COMMIT;\n",
+            transaction_header(schema),
+            sql.trim_end()
         );
-        out += &format!("\n-- {}\n", migration.name);
-        if migration.in_transaction() {
-            out += &format!(
-                "BEGIN;\n{}{}\n{record}COMMIT;\n",
-                transaction_header(schema),
-                sql.trim_end()
-            );
-        } else {
-            out += &format!(
-                "-- Outside a transaction. If a concurrent index build is interrupted, \
+    } else {
+        out += &format!(
+            "-- Outside a transaction. If a concurrent index build is interrupted, \
                  DROP INDEX CONCURRENTLY the INVALID index it left before running this again.\n\
                  SET lock_timeout = '{LOCK_TIMEOUT}';\n\
                  SET statement_timeout = '{NO_TRANSACTION_STATEMENT_TIMEOUT}';\n\
                  SET search_path TO {};\n",
-                quote_ident(schema)
-            );
-            let statements = statements(&sql);
-            if statements.iter().any(|s| s.contains("INDEX CONCURRENTLY")) {
-                out += &format!(
-                    "-- A partitioned table cannot build an index CONCURRENTLY: there the \
+            quote_ident(schema)
+        );
+        let statements = statements(&sql);
+        if statements.iter().any(|s| s.contains("INDEX CONCURRENTLY")) {
+            out += &format!(
+                "-- A partitioned table cannot build an index CONCURRENTLY: there the \
                      indexes are built without it (writers wait while they are built).\n\
                      SELECT EXISTS ({}) AS {PARTITIONED_VAR} \\gset\n\\if :{PARTITIONED_VAR}\n",
-                    PARTITIONED.replace(
-                        "$1",
-                        &quote_literal(&crate::store::qualified_table(schema, table))
-                    )
-                );
-                for statement in &statements {
-                    out += &format!("{};\n", without_concurrently(statement));
-                }
-                out += "\\else\n";
-                for statement in &statements {
-                    out += &format!("{statement};\n");
-                }
-                out += "\\endif\n";
-            } else {
-                for statement in statements {
-                    out += &format!("{statement};\n");
-                }
+                PARTITIONED.replace(
+                    "$1",
+                    &quote_literal(&crate::store::qualified_table(schema, table))
+                )
+            );
+            for statement in &statements {
+                out += &format!("{};\n", without_concurrently(statement));
             }
-            out += &record;
-            out += "RESET lock_timeout;\nRESET statement_timeout;\nRESET search_path;\n";
+            out += "\\else\n";
+            for statement in &statements {
+                out += &format!("{statement};\n");
+            }
+            out += "\\endif\n";
+        } else {
+            for statement in statements {
+                out += &format!("{statement};\n");
+            }
         }
+        out += &record;
+        out += "RESET lock_timeout;\nRESET statement_timeout;\nRESET search_path;\n";
     }
     out
 }

@@ -593,10 +593,63 @@ async fn catalog(client: &Client, schema: &str) -> Vec<String> {
         .collect()
 }
 
+/// The writers' lock mode the commit-order trigger of `schema` was made with.
+async fn writer_mode(client: &Client, schema: &str) -> String {
+    let row = client
+        .query_one(
+            "SELECT pg_get_triggerdef(t.oid) FROM pg_trigger t
+               JOIN pg_class c ON c.oid = t.tgrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+              WHERE n.nspname = $1 AND t.tgname = 'outbox_relay_commit_order'",
+            &[&schema],
+        )
+        .await
+        .expect("the trigger");
+    let definition: String = row.get(0);
+    if definition.contains("'shared'") {
+        "shared".into()
+    } else if definition.contains("'exclusive'") {
+        "exclusive".into()
+    } else {
+        panic!("no mode in {definition}")
+    }
+}
+
+/// The script `outbox-relay migrate [--finish] --print` prints for `schema`
+/// (connecting to nothing), applied with `psql -v ON_ERROR_STOP=1`.
+fn print_and_apply(schema: &str, finish: bool) {
+    let mut printed = relay_command();
+    printed.args(["migrate", "--print"]).envs([
+        ("OUTBOX_TENANTS", "migrate"),
+        // Nothing listens there: --print must not connect.
+        ("OUTBOX_DATABASE_URL", "postgres://nobody@127.0.0.1:1/none"),
+        ("OUTBOX_SCHEMA", schema),
+    ]);
+    if finish {
+        printed.arg("--finish");
+    }
+    let output = printed.output().expect("the binary runs");
+    assert_eq!(output.status.code(), Some(0));
+    let script = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(script.path(), &output.stdout).unwrap();
+    let psql = std::process::Command::new("psql")
+        .args([DATABASE_URL, "-q", "-v", "ON_ERROR_STOP=1", "-f"])
+        .arg(script.path())
+        .output()
+        .expect("psql runs");
+    assert!(
+        psql.status.success(),
+        "psql applied the script: {}",
+        String::from_utf8_lossy(&psql.stderr)
+    );
+}
+
 /// `migrate --print` connects to nothing, and its script applied with
-/// `psql -v ON_ERROR_STOP=1` (twice: it is idempotent), followed by the
-/// script of `migrate --finish --print`, leaves the catalog as `migrate`
-/// does for a new table.
+/// `psql -v ON_ERROR_STOP=1` (twice: it is idempotent) leaves the catalog as
+/// `migrate` does for a new table: its writers in the shared mode from the
+/// start. A table whose trigger was installed before (in the exclusive mode,
+/// which older relays rely on) keeps that mode through the script until
+/// `migrate --finish --print`, and keeps the shared mode through the script
+/// afterwards.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_print_applied_by_psql_equals_migrate() {
     let client = pg_client().await;
@@ -605,46 +658,17 @@ async fn migrate_print_applied_by_psql_equals_migrate() {
     outbox_relay::migrate::run(&Store::new(&config).unwrap(), &config)
         .await
         .expect("migrate");
-    let mut printed = relay_command();
-    printed.args(["migrate", "--print"]).envs([
+    let mut refused = relay_command();
+    refused.args(["migrate", "--print"]).envs([
         ("OUTBOX_TENANTS", "migrate"),
-        // Nothing listens there: --print must not connect.
-        ("OUTBOX_DATABASE_URL", "postgres://nobody@127.0.0.1:1/none"),
         ("OUTBOX_SCHEMA", by_psql.as_str()),
+        ("OUTBOX_POLL_MS", "0"),
     ]);
-    let output = printed.output().expect("the binary runs");
-    assert_eq!(output.status.code(), Some(0));
-    let refused = printed
-        .env("OUTBOX_POLL_MS", "0")
-        .output()
-        .expect("the binary runs");
+    let refused = refused.output().expect("the binary runs");
     assert_eq!(refused.status.code(), Some(2), "bad configuration exits 2");
     assert!(refused.stdout.is_empty(), "and prints no script");
-    let mut finish = relay_command();
-    finish.args(["migrate", "--finish", "--print"]).envs([
-        ("OUTBOX_TENANTS", "migrate"),
-        ("OUTBOX_DATABASE_URL", "postgres://nobody@127.0.0.1:1/none"),
-        ("OUTBOX_SCHEMA", by_psql.as_str()),
-    ]);
-    let finished = finish.output().expect("the binary runs");
-    assert_eq!(finished.status.code(), Some(0));
-    let script = tempfile::NamedTempFile::new().unwrap();
-    std::fs::write(
-        script.path(),
-        [output.stdout.as_slice(), finished.stdout.as_slice()].concat(),
-    )
-    .unwrap();
     for _ in 0..2 {
-        let psql = std::process::Command::new("psql")
-            .args([DATABASE_URL, "-q", "-v", "ON_ERROR_STOP=1", "-f"])
-            .arg(script.path())
-            .output()
-            .expect("psql runs");
-        assert!(
-            psql.status.success(),
-            "psql applied the script: {}",
-            String::from_utf8_lossy(&psql.stderr)
-        );
+        print_and_apply(&by_psql, false);
     }
     let expected = catalog(&client, &by_migrate).await;
     assert!(
@@ -652,6 +676,22 @@ async fn migrate_print_applied_by_psql_equals_migrate() {
             .iter()
             .any(|e| e.starts_with("trigger CREATE TRIGGER outbox_relay_commit_order"))
     );
+    assert_eq!(writer_mode(&client, &by_migrate).await, "shared");
+    assert_eq!(catalog(&client, &by_psql).await, expected);
+
+    // A table whose trigger an earlier run installed, and left exclusive.
+    client
+        .batch_execute(&format!(
+            "DELETE FROM \"{by_psql}\".outbox_relay_migrations WHERE version = 6"
+        ))
+        .await
+        .expect("forget the second step");
+    print_and_apply(&by_psql, false);
+    assert_eq!(writer_mode(&client, &by_psql).await, "exclusive");
+    print_and_apply(&by_psql, true);
+    assert_eq!(writer_mode(&client, &by_psql).await, "shared");
+    print_and_apply(&by_psql, false);
+    assert_eq!(writer_mode(&client, &by_psql).await, "shared");
     assert_eq!(catalog(&client, &by_psql).await, expected);
     drop_schema(&client, &by_migrate).await;
     drop_schema(&client, &by_psql).await;
