@@ -764,9 +764,14 @@ mod tests {
     #[test]
     fn the_script_runs_each_migration_in_its_transaction_and_records_it() {
         let script = script("app", "orders_outbox");
-        let in_transaction = MIGRATIONS.iter().filter(|m| m.in_transaction()).count();
+        // The second step too, under psql's `\if`.
+        let in_transaction = MIGRATIONS.iter().filter(|m| m.in_transaction()).count() + 1;
         assert_eq!(script.matches("BEGIN;").count(), 1 + in_transaction);
         assert_eq!(script.matches("COMMIT;").count(), 1 + in_transaction);
+        let finish = script.find("\\if :outbox_relay_writers_shared\n-- 0006_writers_shared");
+        let finish = finish.expect("the second step, under its condition");
+        assert!(script[finish..].trim_end().ends_with("\\endif"));
+        assert!(script[..finish].contains("AS outbox_relay_writers_shared \\gset"));
         assert!(script.contains("CREATE TABLE IF NOT EXISTS outbox_relay_migrations"));
         assert!(script.contains("VALUES ('orders_outbox', 2, '0002_commit_order')"));
         assert!(script.contains("SET LOCAL search_path TO \"app\";"));
