@@ -24,10 +24,10 @@
 //! No other header, `x-` prefixed ones included, is type-checked by the broker
 //! when a message is published.
 
-use bytes::Bytes;
-use lapin::BasicProperties;
 use std::collections::BTreeMap;
 
+use bytes::Bytes;
+use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use time::format_description::well_known::Rfc3339;
 
@@ -228,6 +228,11 @@ impl Envelope {
     }
 }
 
+/// The trace context headers (W3C): a row's own pass through unchanged,
+/// unless the relay's span replaces them (see [`Envelope::message_traced`]).
+pub const TRACEPARENT: &str = "traceparent";
+pub const TRACESTATE: &str = "tracestate";
+
 /// What a row's span starts from, while its message is built (see
 /// [`Envelope::message_traced`]).
 #[derive(Debug, Clone, Copy)]
@@ -281,11 +286,6 @@ fn restore_trace_context(headers: &mut Headers, (parent, state): TraceHeaders) {
         };
     }
 }
-
-/// The trace context headers (W3C): a row's own pass through unchanged,
-/// unless the relay's span replaces them (see [`Envelope::message_traced`]).
-pub const TRACEPARENT: &str = "traceparent";
-pub const TRACESTATE: &str = "tracestate";
 
 /// The size of the content header frame that carries `properties`, encoded
 /// by the AMQP library exactly as it will be sent.

@@ -580,6 +580,7 @@ async fn record(
 /// `schema`.`table`, each in its transaction (or statement by statement when
 /// marked) and recorded as `migrate` records it. Every migration is
 /// idempotent, so the script may run again.
+///
 /// As [`run`] does, a table whose commit-order trigger the script installs
 /// (0002 not recorded when it starts) is finished at its end ([`FINISH`]), and
 /// so is a table finished already (0006 recorded), which the script's 0005

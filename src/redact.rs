@@ -62,6 +62,31 @@ fn redact_query(tail: &str) -> String {
     format!("{path}{query}")
 }
 
+/// `text` with the password of every URL in it masked (see [`redact_url`]).
+pub fn redact_urls_in(text: &str) -> String {
+    let mut redacted = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(start) = rest.find(|c: char| !is_url_boundary(c)) {
+        redacted.push_str(&rest[..start]);
+        rest = &rest[start..];
+        let end = rest.find(is_url_boundary).unwrap_or(rest.len());
+        let word = &rest[..end];
+        if word.contains("://") {
+            redacted.push_str(&redact_url(word));
+        } else {
+            redacted.push_str(word);
+        }
+        rest = &rest[end..];
+    }
+    redacted.push_str(rest);
+    redacted
+}
+
+/// Where a URL in free text ends: white space, brackets, quotes, a comma.
+fn is_url_boundary(c: char) -> bool {
+    c.is_whitespace() || matches!(c, '(' | ')' | '"' | '\'' | '<' | '>' | ',')
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -103,5 +128,18 @@ mod tests {
     fn an_at_sign_in_the_password_does_not_leak_it() {
         let redacted = redact_url("amqp://u:p@ss@host/%2f");
         assert!(!redacted.contains("p@ss"), "{redacted}");
+    }
+
+    #[test]
+    fn urls_in_an_error_lose_their_password() {
+        let error =
+            "error sending request for url (http://otel:s3cret@collector:4318/v1/traces): refused";
+        let redacted = redact_urls_in(error);
+        assert!(!redacted.contains("s3cret"), "{redacted}");
+        assert_eq!(
+            redacted,
+            "error sending request for url (http://otel:***@collector:4318/v1/traces): refused"
+        );
+        assert_eq!(redact_urls_in("timed out after 10s"), "timed out after 10s");
     }
 }

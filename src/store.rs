@@ -82,6 +82,7 @@ const WRITERS_FREE: &str = include_str!("store/writers_free.sql");
 /// Where the id sequence stands, and the tenants of its newest rows (see
 /// [`Store::watch`]).
 const WATCH: &str = include_str!("store/watch.sql");
+/// Where the id sequence stands, alone: the watch's read between moves.
 const POSITION: &str = include_str!("store/position.sql");
 
 mod columns;

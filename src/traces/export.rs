@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use opentelemetry::{Context, KeyValue};
@@ -24,35 +24,7 @@ use opentelemetry_sdk::trace::{
 use prometheus::IntCounter;
 
 use super::settings::{Export, MAX_EXPORT_BATCH, Sampling};
-use crate::redact::redact_url;
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// `text` with the password of every URL in it masked (see [`redact_url`]).
-fn scrub_urls(text: &str) -> String {
-    let mut scrubbed = String::with_capacity(text.len());
-    let mut rest = text;
-    while let Some(start) = rest.find(|c: char| !is_url_boundary(c)) {
-        scrubbed.push_str(&rest[..start]);
-        rest = &rest[start..];
-        let end = rest.find(is_url_boundary).unwrap_or(rest.len());
-        let word = &rest[..end];
-        if word.contains("://") {
-            scrubbed.push_str(&redact_url(word));
-        } else {
-            scrubbed.push_str(word);
-        }
-        rest = &rest[end..];
-    }
-    scrubbed.push_str(rest);
-    scrubbed
-}
-
-fn is_url_boundary(c: char) -> bool {
-    c.is_whitespace() || matches!(c, '(' | ')' | '"' | '\'' | '<' | '>' | ',')
-}
+use crate::redact::redact_urls_in;
 
 /// Spans finished and not yet handed to the exporter: the queue's length,
 /// or a little more (the batch being gathered), never less.
@@ -209,12 +181,16 @@ impl<E: SpanExporter> SpanExporter for CountingExporter<E> {
         let result = self.inner.export(batch).await;
         if let Err(error) = &result {
             self.dropped.inc_by(spans as u64);
-            let due = lock(&self.failures).failed(spans, Instant::now());
+            let due = self
+                .failures
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .failed(spans, Instant::now());
             if let Some(dropped) = due {
                 // The error may quote the endpoint: without its password.
                 tracing::warn!(
                     dropped,
-                    error = %scrub_urls(&error.to_string()),
+                    error = %redact_urls_in(&error.to_string()),
                     "span export failed; the spans are dropped (rows are published as before)"
                 );
             }
@@ -251,18 +227,5 @@ mod tests {
             Some(613)
         );
         assert_eq!(failures.failed(1, start + Duration::from_secs(61)), None);
-    }
-
-    #[test]
-    fn urls_in_an_error_lose_their_password() {
-        let error =
-            "error sending request for url (http://otel:s3cret@collector:4318/v1/traces): refused";
-        let scrubbed = scrub_urls(error);
-        assert!(!scrubbed.contains("s3cret"), "{scrubbed}");
-        assert_eq!(
-            scrubbed,
-            "error sending request for url (http://otel:***@collector:4318/v1/traces): refused"
-        );
-        assert_eq!(scrub_urls("timed out after 10s"), "timed out after 10s");
     }
 }
