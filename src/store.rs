@@ -27,10 +27,9 @@
 //! the writable host. That is an outage, never a tenant's failure.
 
 use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -38,7 +37,7 @@ use deadpool_postgres::{
     BuildError, Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime, Timeouts,
 };
 use futures_util::TryStreamExt;
-use futures_util::future::{BoxFuture, MaybeDone, maybe_done};
+use futures_util::future::BoxFuture;
 use time::OffsetDateTime;
 use tokio_postgres::tls::MakeTlsConnect;
 use tokio_postgres::types::{Kind, ToSql, Type};
@@ -47,6 +46,7 @@ use tokio_postgres::{Client, Connection, Socket};
 use crate::config::{Config, DatabaseTarget, Tenants};
 use crate::domain::{BatchReport, FailureReason, Lease, OutboxRow, Payload};
 use crate::migrate::{quote_literal, wakeup_channel};
+use crate::started::Started;
 pub use columns::Drift;
 use columns::{OccurredAt, Raw};
 
@@ -1471,12 +1471,11 @@ async fn update_ids(client: &Object, sql: &str, ids: &[i64]) -> Result<u64, Stor
 
 /// An UPDATE marking rows published ahead of the commit: sent when first
 /// polled, its outcome read before the commit.
-type MarkAhead = Pin<Box<MaybeDone<Pin<Box<dyn Future<Output = Result<u64, StoreError>> + Send>>>>>;
+type MarkAhead = Started<Result<u64, StoreError>>;
 
 /// The read of the next batch, sent ahead in the claim's transaction while
 /// the current batch is published.
-type ReadAhead =
-    Pin<Box<MaybeDone<Pin<Box<dyn Future<Output = Result<Batch, StoreError>> + Send>>>>>;
+type ReadAhead = Started<Result<Batch, StoreError>>;
 
 /// What [`Claim::answered`] waits for.
 #[derive(Clone, Copy)]
@@ -1511,9 +1510,7 @@ struct MarksAhead {
 impl MarksAhead {
     /// Whether a read ahead is still under way.
     fn reading(&self) -> bool {
-        self.next
-            .as_ref()
-            .is_some_and(|next| matches!(next.as_ref().get_ref(), MaybeDone::Future(_)))
+        self.next.as_ref().is_some_and(|next| !next.is_done())
     }
 
     /// Polls everything sent; ready when every mark has its answer and the
@@ -1521,12 +1518,23 @@ impl MarksAhead {
     fn poll_all(&mut self, cx: &mut Context<'_>) -> Poll<()> {
         let mut done = true;
         for mark in &mut self.sent {
-            done &= mark.as_mut().poll(cx).is_ready();
+            done &= mark.poll_done(cx).is_ready();
         }
         if let Some(next) = &mut self.next {
-            done &= next.as_mut().poll(cx).is_ready();
+            done &= next.poll_done(cx).is_ready();
         }
         if done { Poll::Ready(()) } else { Poll::Pending }
+    }
+
+    /// Polls everything sent with a waker that does nothing, so answers
+    /// that arrived are taken off the connection.
+    fn poll_now(&mut self) {
+        for mark in &mut self.sent {
+            mark.poll_now();
+        }
+        if let Some(next) = &mut self.next {
+            next.poll_now();
+        }
     }
 }
 
@@ -1655,16 +1663,14 @@ impl Claim {
         ahead.rows = prefix;
         let conn = self.conn.clone().expect("a claim holds its connection");
         let store = self.store.clone();
-        let update: Pin<Box<dyn Future<Output = _> + Send>> =
-            Box::pin(
-                async move { update_ids(&conn, &store.statements().mark_published, &ids).await },
-            );
-        ahead.sent.push(Box::pin(maybe_done(update)));
-        // The first poll sends the statement. The marks sent before are
-        // polled too: the driver hands a statement's answer over only once
-        // the one before it has taken its own, so answers left waiting would
-        // hold up the connection.
-        let _ = ahead.poll_all(&mut Context::from_waker(Waker::noop()));
+        // Started, the statement is sent. The marks sent before are polled
+        // too: the driver hands a statement's answer over only once the one
+        // before it has taken its own, so answers left waiting would hold up
+        // the connection.
+        ahead.sent.push(Started::new(async move {
+            update_ids(&conn, &store.statements().mark_published, &ids).await
+        }));
+        ahead.poll_now();
     }
 
     /// Sends the read of the batch after this one (the tenant's pending rows
@@ -1677,11 +1683,11 @@ impl Claim {
         };
         let conn = self.conn.clone().expect("a claim holds its connection");
         let (store, tenant) = (self.store.clone(), self.tenant.clone());
-        let read: Pin<Box<dyn Future<Output = _> + Send>> =
-            Box::pin(async move { store.read_batch(&conn, &tenant, after, budget).await });
+        let read =
+            Started::new(async move { store.read_batch(&conn, &tenant, after, budget).await });
         let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
-        ahead.next = Some(Box::pin(maybe_done(read)));
-        let _ = ahead.poll_all(&mut Context::from_waker(Waker::noop()));
+        ahead.next = Some(read);
+        ahead.poll_now();
     }
 
     /// Whether a read ahead is still under way.
@@ -1724,10 +1730,7 @@ impl Claim {
         let Some(mut next) = ahead.next.take() else {
             return Ok(false);
         };
-        let batch = next
-            .as_mut()
-            .take_output()
-            .expect("the read ahead is done once answered")?;
+        let batch = next.take().expect("the read ahead is done once answered")?;
         let withheld = batch
             .rows
             .first()
@@ -1772,19 +1775,17 @@ impl Claim {
         let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
         let mut marked = 0;
         let mut first_error = None;
-        ahead
-            .sent
-            .retain_mut(|mark| match mark.as_mut().take_output() {
-                Some(Ok(rows)) => {
-                    marked += rows;
-                    false
-                }
-                Some(Err(error)) => {
-                    first_error.get_or_insert(error);
-                    false
-                }
-                None => true,
-            });
+        ahead.sent.retain_mut(|mark| match mark.take() {
+            Some(Ok(rows)) => {
+                marked += rows;
+                false
+            }
+            Some(Err(error)) => {
+                first_error.get_or_insert(error);
+                false
+            }
+            None => true,
+        });
         if let Some(error) = first_error {
             return Err(error);
         }
@@ -1792,8 +1793,8 @@ impl Claim {
         // would only roll back): its error ends the claim. A batch read is
         // left for `advance`.
         if let Some(next) = &mut ahead.next
-            && matches!(next.as_ref().get_ref(), MaybeDone::Done(Err(_)))
-            && let Some(Err(error)) = next.as_mut().take_output()
+            && matches!(next.output(), Some(Err(_)))
+            && let Some(Err(error)) = next.take()
         {
             ahead.next = None;
             return Err(error);

@@ -26,14 +26,10 @@
 //! alone. The connection stays up for a channel-level error.
 
 use std::collections::VecDeque;
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::task::{Context, Waker};
 use std::time::{Duration, SystemTime};
 
-use futures_util::future::{MaybeDone, maybe_done};
 use lapin::message::BasicReturnMessage;
 use lapin::options::BasicPublishOptions;
 use lapin::types::ShortString;
@@ -45,14 +41,14 @@ use super::Session;
 use super::isolation::{Isolation, Verdict};
 use crate::domain::{BatchReport, FailureReason, Refusal};
 use crate::envelope::Message;
+use crate::started::Started;
 
 /// The collector waits for the newest of this many unsettled confirms before
 /// settling them in order: the broker confirms mostly in order, so this wakes
 /// it about once per step rather than once per ack frame.
 const STEP: usize = 64;
 
-type Confirm =
-    Pin<Box<MaybeDone<Pin<Box<dyn Future<Output = lapin::Result<Confirmation>> + Send>>>>>;
+type Confirm = Started<lapin::Result<Confirmation>>;
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
@@ -275,32 +271,29 @@ impl ConfirmChannel {
         } = message;
         // Shared with the row, not copied: the collector outlives the
         // sweep's borrow of its rows.
-        let send: Pin<Box<dyn Future<Output = lapin::Result<Confirmation>> + Send>> =
-            Box::pin(async move {
-                let options = BasicPublishOptions {
-                    mandatory: true,
-                    immediate: false,
-                };
-                channel
-                    .basic_publish(exchange, routing_key, options, &body, properties)
-                    .await?
-                    .await
-            });
-        let mut confirm = Box::pin(maybe_done(send));
+        let send = async move {
+            let options = BasicPublishOptions {
+                mandatory: true,
+                immediate: false,
+            };
+            channel
+                .basic_publish(exchange, routing_key, options, &body, properties)
+                .await?
+                .await
+        };
         let first = {
             let mut state = batch.state();
             state.published += 1;
             state.ids.push(row_id);
             state.published == 1
         };
-        // The first poll takes the next delivery tag and queues the frames.
-        // Under the ledger's lock, so sequence numbers follow delivery tags
-        // whichever thread publishes. It leaves a no-op waker behind: only the
-        // confirm the collector waits for registers a real one.
+        // Started, the send takes the next delivery tag and queues the
+        // frames. Under the ledger's lock, so sequence numbers follow
+        // delivery tags whichever thread publishes. It leaves a no-op waker
+        // behind: only the confirm the collector waits for registers a real
+        // one.
         let mut ledger = lock(&self.ledger);
-        let _ = confirm
-            .as_mut()
-            .poll(&mut Context::from_waker(Waker::noop()));
+        let confirm = Started::new(send);
         let seq = ledger.published;
         ledger.published += 1;
         if first {
@@ -386,12 +379,12 @@ impl Collector {
             self.accept_all(&mut submissions);
             let deadline = self.queue[0].deadline;
             let step_end = self.queue.len().min(STEP) - 1;
-            let target = if is_done(&self.queue[step_end].confirm) {
+            let target = if self.queue[step_end].confirm.is_done() {
                 0
             } else {
                 step_end
             };
-            let _ = tokio::time::timeout_at(deadline, self.queue[target].confirm.as_mut()).await;
+            let _ = tokio::time::timeout_at(deadline, &mut self.queue[target].confirm).await;
             // Settle as far as has arrived, including messages published since.
             self.accept_all(&mut submissions);
             self.settle_ready();
@@ -410,11 +403,7 @@ impl Collector {
         let mut touched: Vec<Arc<Batch>> = Vec::new();
         let now = Instant::now();
         while let Some(oldest) = self.queue.front_mut() {
-            let arrived = oldest
-                .confirm
-                .as_mut()
-                .poll(&mut Context::from_waker(Waker::noop()))
-                .is_ready();
+            let arrived = oldest.confirm.poll_now();
             if !arrived && now < oldest.deadline {
                 break;
             }
@@ -444,7 +433,7 @@ impl Collector {
     }
 
     fn settle(&mut self, mut published: Published, touched: &mut Vec<Arc<Batch>>) {
-        let outcome = published.confirm.as_mut().take_output();
+        let outcome = published.confirm.take();
         let index = published.index;
         let mut returned = None;
         let mut refusal = None;
@@ -626,10 +615,6 @@ fn add_touched(touched: &mut Vec<Arc<Batch>>, batch: &Arc<Batch>) {
     if !touched.iter().any(|b| Arc::ptr_eq(b, batch)) {
         touched.push(batch.clone());
     }
-}
-
-fn is_done(confirm: &Confirm) -> bool {
-    matches!(confirm.as_ref().get_ref(), MaybeDone::Done(_))
 }
 
 /// How often a batch waiting for the collector checks that it still runs.
