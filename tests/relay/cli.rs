@@ -645,7 +645,7 @@ async fn tail_prints_each_message_the_relay_publishes() {
     assert!(line.contains("type=order.created"), "{line}");
     assert!(line.contains("\"traceparent\":\"00-abc-01\""), "{line}");
     assert!(
-        line.contains("body={\\\"total\\\":\\\"12.50\\\"}\\nsecond line"),
+        line.contains("body={\"total\":\"12.50\"}\\nsecond line"),
         "the body on one line: {line}"
     );
 
