@@ -19,6 +19,7 @@ mod pgbouncer;
 mod proxy;
 mod refusals;
 mod retention;
+mod rooms;
 mod rows;
 mod settlement;
 mod support;
