@@ -15,10 +15,13 @@ use deadpool_postgres::{ClientWrapper, Object};
 use tokio_postgres::types::Type;
 
 use crate::config::Config;
-use crate::store::{Store, StoreError, quote_ident, within};
+use crate::sql::{qualified_table, quote_ident};
+use crate::store::{Store, StoreError, within};
 
 pub use check::{Missing, SchemaReport, TRIGGER, check_schema};
 pub use split::{concurrent_index_name, statements};
+// Defined in `sql`; kept at these paths for the wake-up and the tests.
+pub use crate::sql::{fnv1a, quote_literal, wakeup_channel};
 
 /// One migration file.
 #[derive(Debug, Clone, Copy)]
@@ -218,31 +221,6 @@ fn render_mode(sql: &str, schema: &str, table: &str, writer_mode: &str) -> Strin
     }
     out.push_str(rest);
     out
-}
-
-/// A string literal for `text` (standard_conforming_strings, as on every
-/// supported server).
-pub fn quote_literal(text: &str) -> String {
-    format!("'{}'", text.replace('\'', "''"))
-}
-
-/// The channel the commit-order trigger notifies and the relay listens on:
-/// `outbox.<schema>.<table>` when that fits PostgreSQL's 63 bytes, else
-/// `outbox.` and a 64-bit FNV-1a hash of `<schema>.<table>` in hex.
-pub fn wakeup_channel(schema: &str, table: &str) -> String {
-    let readable = format!("outbox.{schema}.{table}");
-    if readable.len() <= 63 {
-        return readable;
-    }
-    let hash = fnv1a(format!("{schema}.{table}").as_bytes());
-    format!("outbox.{hash:016x}")
-}
-
-/// The 64-bit FNV-1a hash: the same on every replica and every build.
-pub fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
-        (hash ^ u64::from(*byte)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
 }
 
 /// A migration transaction's bounds, its quiet (the "already exists,
@@ -474,7 +452,7 @@ async fn apply_outside_transaction(
         unlock.await?;
         return Ok(false);
     }
-    let table = crate::store::qualified_table(&config.schema, &config.table);
+    let table = qualified_table(&config.schema, &config.table);
     let partitioned = client
         .query_typed_opt(PARTITIONED, &[(&table, Type::TEXT)])
         .await?
@@ -685,10 +663,7 @@ fn block(migration: &Migration, schema: &str, table: &str) -> String {
                 "-- A partitioned table cannot build an index CONCURRENTLY: there the \
                      indexes are built without it (writers wait while they are built).\n\
                      SELECT EXISTS ({}) AS {PARTITIONED_VAR} \\gset\n\\if :{PARTITIONED_VAR}\n",
-                PARTITIONED.replace(
-                    "$1",
-                    &quote_literal(&crate::store::qualified_table(schema, table))
-                )
+                PARTITIONED.replace("$1", &quote_literal(&qualified_table(schema, table)))
             );
             for statement in &statements {
                 out += &format!("{};\n", without_concurrently(statement));
@@ -833,16 +808,5 @@ mod tests {
             without_concurrently("DROP INDEX CONCURRENTLY IF EXISTS \"t_pending\""),
             "DROP INDEX IF EXISTS \"t_pending\""
         );
-    }
-
-    #[test]
-    fn the_channel_fits_postgresqls_identifiers() {
-        assert_eq!(
-            wakeup_channel("public", "outbox_message"),
-            "outbox.public.outbox_message"
-        );
-        let long = wakeup_channel(&"s".repeat(63), &"t".repeat(55));
-        assert_eq!(long.len(), "outbox.".len() + 16);
-        assert_ne!(long, wakeup_channel(&"s".repeat(63), &"u".repeat(55)));
     }
 }

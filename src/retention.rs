@@ -24,7 +24,8 @@ use tokio_postgres::types::{ToSql, Type};
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::shutdown::Shutdown;
-use crate::store::{Store, StoreError, qualified_table, within};
+use crate::sql::qualified_table;
+use crate::store::{Store, StoreError, within};
 
 const COLUMNS: &str = include_str!("store/retention_columns.sql");
 const LOCK: &str = include_str!("store/retention_lock.sql");

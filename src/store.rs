@@ -45,7 +45,9 @@ use tokio_postgres::{Client, Connection, Socket};
 
 use crate::config::{Config, DatabaseTarget, Tenants};
 use crate::domain::{BatchReport, FailureReason, Lease, OutboxRow, Payload};
-use crate::migrate::{quote_literal, wakeup_channel};
+use crate::sql::{quote_literal, wakeup_channel};
+// Defined in `sql`; kept at these paths for the wake-up.
+pub use crate::sql::{qualified_table, quote_ident};
 use crate::started::Started;
 pub use columns::Drift;
 use columns::{OccurredAt, Raw};
@@ -594,16 +596,6 @@ fn changed(row: &tokio_postgres::Row) -> Result<Changed, tokio_postgres::Error> 
         id: row.try_get(0)?,
         tenant: row.try_get(1)?,
     })
-}
-
-/// `"schema"."table"`, each identifier quoted.
-pub fn qualified_table(schema: &str, table: &str) -> String {
-    format!("{}.{}", quote_ident(schema), quote_ident(table))
-}
-
-/// A PostgreSQL identifier in double quotes.
-pub fn quote_ident(name: &str) -> String {
-    format!("\"{}\"", name.replace('"', "\"\""))
 }
 
 /// The connector the pool hands tokio-postgres: the target's TLS client
