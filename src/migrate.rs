@@ -316,7 +316,7 @@ pub async fn apply(
 }
 
 /// Takes the table's migrators' lock for the session (see
-/// [`TABLE_LOCK`]). It is asked for again and again rather than waited for:
+/// [`TRY_TABLE_LOCK`]). It is asked for again and again rather than waited for:
 /// a session waiting in a statement holds a snapshot, which the holder's
 /// `CREATE INDEX CONCURRENTLY` would wait for (a deadlock).
 async fn take_table_lock(client: &ClientWrapper, table: &str) -> Result<(), StoreError> {
