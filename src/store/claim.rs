@@ -71,6 +71,8 @@ impl Store {
         self.dropping_idle_if_read_only(claimed)
     }
 
+    /// [`Store::claim`], found [`StoreError::ReadOnly`] on a server that
+    /// takes no writes.
     async fn claim_on_writable(
         &self,
         tenant: &str,

@@ -38,6 +38,7 @@ impl Store {
     }
 }
 
+/// `work` within [`QUERY_TIMEOUT`].
 pub(super) async fn deadline<T>(
     what: &'static str,
     work: impl Future<Output = Result<T, StoreError>>,

@@ -17,7 +17,6 @@ use crate::domain::{OutboxRow, Payload};
 /// more, so a longer one is refused without being read. It bounds what one
 /// row can cost besides its payload (see `budget::ROW_FIELDS_MAX`).
 pub const FIELD_LIMIT: i64 = 512 << 10;
-
 const _: () = assert!(
     FIELD_LIMIT == 512 << 10,
     "budget::ROW_FIELDS_MAX counts on it"

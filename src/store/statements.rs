@@ -8,27 +8,29 @@
 /// at-least-once allows. It takes the disk flush out of every batch's path.
 pub(super) const BEGIN: &str = "BEGIN; SET LOCAL synchronous_commit = off";
 pub(super) const CLAIM: &str = include_str!("claim.sql");
-pub(super) const READ_BATCH: &str = include_str!("read_batch.sql");
-pub(super) const READ_PAYLOAD: &str = include_str!("read_payload.sql");
-pub(super) const MARK_PUBLISHED: &str = include_str!("mark_published.sql");
-pub(super) const RECORD_REFUSAL: &str = include_str!("record_refusal.sql");
-pub(super) const UNMARK_PUBLISHED: &str = include_str!("unmark_published.sql");
-pub(super) const PENDING_TENANTS: &str = include_str!("pending_tenants.sql");
-pub(super) const TENANT_LAG: &str = include_str!("tenant_lag.sql");
-pub(super) const TENANT_STATUS: &str = include_str!("tenant_status.sql");
 pub(super) const COLUMNS: &str = include_str!("columns.sql");
-pub(super) const REQUEUE: &str = include_str!("requeue.sql");
-pub(super) const REQUEUE_TENANT: &str = include_str!("requeue_tenant.sql");
-pub(super) const DISCARD: &str = include_str!("discard.sql");
-pub(super) const REPLAY_BATCH: &str = include_str!("replay_batch.sql");
 pub(super) const SEQUENCE: &str = include_str!("sequence.sql");
 pub(super) const WRITERS: &str = include_str!("writers.sql");
 pub(super) const WRITERS_FREE: &str = include_str!("writers_free.sql");
-/// Where the id sequence stands, and the tenants of its newest rows (see
-/// [`Store::watch`](super::Store::watch)).
-pub(super) const WATCH: &str = include_str!("watch.sql");
 /// Where the id sequence stands, alone: the watch's read between moves.
 pub(super) const POSITION: &str = include_str!("position.sql");
+
+// The statements that name the table (`{table}`), made into `Statements`.
+const READ_BATCH: &str = include_str!("read_batch.sql");
+const READ_PAYLOAD: &str = include_str!("read_payload.sql");
+const MARK_PUBLISHED: &str = include_str!("mark_published.sql");
+const RECORD_REFUSAL: &str = include_str!("record_refusal.sql");
+const UNMARK_PUBLISHED: &str = include_str!("unmark_published.sql");
+const PENDING_TENANTS: &str = include_str!("pending_tenants.sql");
+const TENANT_LAG: &str = include_str!("tenant_lag.sql");
+const TENANT_STATUS: &str = include_str!("tenant_status.sql");
+const REQUEUE: &str = include_str!("requeue.sql");
+const REQUEUE_TENANT: &str = include_str!("requeue_tenant.sql");
+const DISCARD: &str = include_str!("discard.sql");
+const REPLAY_BATCH: &str = include_str!("replay_batch.sql");
+/// Where the id sequence stands, and the tenants of its newest rows (see
+/// [`Store::watch`](super::Store::watch)).
+const WATCH: &str = include_str!("watch.sql");
 
 /// The statements with the configured table substituted, in one of two
 /// variants: for a table with the columns of parking, or without them.
