@@ -51,6 +51,7 @@ pub mod relay;
 pub mod retention;
 pub mod scheduler;
 pub mod shutdown;
+pub mod sql;
 pub mod started;
 pub mod status;
 pub mod store;

@@ -24,7 +24,8 @@ use tokio_postgres::types::{ToSql, Type};
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::shutdown::Shutdown;
-use crate::store::{Store, StoreError, qualified_table, within};
+use crate::sql::qualified_table;
+use crate::store::{Store, StoreError, within};
 
 const COLUMNS: &str = include_str!("store/retention_columns.sql");
 const LOCK: &str = include_str!("store/retention_lock.sql");
@@ -70,16 +71,17 @@ fn delete_statement(table: &str, parked_at: bool, discarded_at: bool) -> String 
         .replace("{ended_t}", &ended("t", parked_at, discarded_at))
 }
 
-/// What one batch did.
+/// What one batch of a round did: the rows it looked at, the last of
+/// their ids, the rows it deleted, and those that ended too recently.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Batch {
+struct DeletionBatch {
     scanned: i64,
     last_id: Option<i64>,
     deleted: i64,
     recent: i64,
 }
 
-impl Batch {
+impl DeletionBatch {
     /// Whether the round goes on after this batch.
     fn more(&self) -> bool {
         self.scanned >= BATCH_ROWS && (self.deleted > 0 || self.recent == 0)
@@ -187,7 +189,7 @@ impl Retention {
 
     /// One batch in a transaction of its own; `None` when another relay
     /// holds retention's turn.
-    async fn batch(&self, delete: &str, after: i64) -> Result<Option<Batch>, StoreError> {
+    async fn batch(&self, delete: &str, after: i64) -> Result<Option<DeletionBatch>, StoreError> {
         let conn = self.store.connection().await?;
         let lock_key: &str = &self.lock_key;
         let lock_params: [(&(dyn ToSql + Sync), Type); 2] =
@@ -206,7 +208,7 @@ impl Retention {
                 return Ok(None);
             }
             let row = conn.query_typed_one(delete, &delete_params).await?;
-            let batch = Batch {
+            let batch = DeletionBatch {
                 scanned: row.try_get(0)?,
                 last_id: row.try_get(1)?,
                 deleted: row.try_get(2)?,
@@ -262,7 +264,7 @@ mod tests {
 
     #[test]
     fn a_round_ends_at_recent_rows_or_the_end_of_the_table() {
-        let batch = |scanned, deleted, recent| Batch {
+        let batch = |scanned, deleted, recent| DeletionBatch {
             scanned,
             last_id: Some(1),
             deleted,

@@ -5,9 +5,9 @@ use std::fmt;
 
 use tokio_postgres::types::Type;
 
-use super::wakeup_channel;
 use crate::config::Config;
-use crate::store::{Store, StoreError, qualified_table};
+use crate::sql::{qualified_table, wakeup_channel};
+use crate::store::{Store, StoreError};
 
 const CHECK: &str = include_str!("check.sql");
 

@@ -1,0 +1,55 @@
+//! The names the relay writes into SQL, shared by the store, the migrations
+//! and the wake-up: identifiers and string literals quoted as PostgreSQL
+//! reads them, the configured table's qualified name, and the channel the
+//! commit-order trigger notifies. Pure text; it imports nothing of the relay.
+
+/// A PostgreSQL identifier in double quotes.
+pub fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// A string literal for `text` (standard_conforming_strings, as on every
+/// supported server).
+pub fn quote_literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+/// `"schema"."table"`, each identifier quoted.
+pub fn qualified_table(schema: &str, table: &str) -> String {
+    format!("{}.{}", quote_ident(schema), quote_ident(table))
+}
+
+/// The channel the commit-order trigger notifies and the relay listens on:
+/// `outbox.<schema>.<table>` when that fits PostgreSQL's 63 bytes, else
+/// `outbox.` and a 64-bit FNV-1a hash of `<schema>.<table>` in hex.
+pub fn wakeup_channel(schema: &str, table: &str) -> String {
+    let readable = format!("outbox.{schema}.{table}");
+    if readable.len() <= 63 {
+        return readable;
+    }
+    let hash = fnv1a(format!("{schema}.{table}").as_bytes());
+    format!("outbox.{hash:016x}")
+}
+
+/// The 64-bit FNV-1a hash: the same on every replica and every build.
+pub fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {
+        (hash ^ u64::from(*byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_channel_fits_postgresqls_identifiers() {
+        assert_eq!(
+            wakeup_channel("public", "outbox_message"),
+            "outbox.public.outbox_message"
+        );
+        let long = wakeup_channel(&"s".repeat(63), &"t".repeat(55));
+        assert_eq!(long.len(), "outbox.".len() + 16);
+        assert_ne!(long, wakeup_channel(&"s".repeat(63), &"u".repeat(55)));
+    }
+}
