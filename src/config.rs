@@ -10,6 +10,10 @@
 //! Every key remembers which layer gave it its value, so an error names the key,
 //! where it came from and what is allowed, e.g.
 //! `poll_ms = 0 (environment variable OUTBOX_POLL_MS): must be from 1 to 60000`.
+//!
+//! Merging the layers and the typed reads of each key are in `load`; the
+//! rules that read one value and its `check-config` rendering in `read`;
+//! the connection targets a URL becomes in `target`.
 
 mod dsn;
 mod load;
