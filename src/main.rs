@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use clap::{ArgGroup, Args, Parser, Subcommand};
 use outbox_relay::config::{CONFIG_FILE_VAR, Config, Flags as KeyFlags, Loaded, Sources, Tenants};
 use outbox_relay::{migrate, shutdown, store, telemetry, traces};
+use tokio::runtime::Runtime;
 
 /// The allocator. Publishing allocates a few dozen small objects per message
 /// (lapin's promises and frames, the envelope's properties and headers), and
@@ -121,21 +122,8 @@ struct Options {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let file = cli
-        .flags
-        .config
-        .clone()
-        .or_else(|| std::env::var_os(CONFIG_FILE_VAR).map(PathBuf::from));
-    let loaded = match Sources::from_process(file, cli.flags.keys.layer()).load() {
+    let (loaded, tracing_settings) = match load(&cli.flags) {
         Ok(loaded) => loaded,
-        Err(error) => {
-            eprintln!("outbox-relay: configuration error: {error}");
-            return ExitCode::from(EXIT_CONFIG);
-        }
-    };
-    // Traces are configured by the standard OTEL_* variables alone.
-    let tracing_settings = match traces::Settings::from_env() {
-        Ok(settings) => settings,
         Err(error) => {
             eprintln!("outbox-relay: configuration error: {error}");
             return ExitCode::from(EXIT_CONFIG);
@@ -158,56 +146,91 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_FATAL);
         }
     };
-    if let Command::Migrate {
-        print: true,
-        finish,
-    } = command
-    {
-        // stdout is the script: no log lines there.
-        warn_unknown_env_on_stderr(&loaded);
-        let (schema, table) = (&loaded.config.schema, &loaded.config.table);
-        let script = if finish {
-            migrate::finish_script(schema, table)
-        } else {
-            migrate::script(schema, table)
-        };
-        print!("{script}");
-        return ExitCode::SUCCESS;
+    match command {
+        Command::Migrate {
+            print: true,
+            finish,
+        } => print_migration(&loaded, finish),
+        Command::Tail { routing_key, json } => tail(&runtime, &loaded, &routing_key, json),
+        Command::Status { json, wide } => {
+            // stdout is the report: no log lines there.
+            warn_unknown_env_on_stderr(&loaded);
+            runtime.block_on(status(loaded.config, json, wide))
+        }
+        Command::Requeue { .. } | Command::Discard { .. } | Command::Replay { .. } => {
+            // stdout is what changed: no log lines there.
+            warn_unknown_env_on_stderr(&loaded);
+            runtime.block_on(lifecycle(loaded.config, command))
+        }
+        command => run_logged(&runtime, loaded, command, &tracing_settings),
     }
-    if let Command::Tail { routing_key, json } = &command {
-        // stdout is the messages: no log lines there.
-        warn_unknown_env_on_stderr(&loaded);
-        let mut out = std::io::stdout();
-        let result = runtime.block_on(outbox_relay::tail::run(
-            &loaded.config,
-            routing_key,
-            *json,
-            &mut out,
-            shutdown::signal(),
-        ));
-        return match result {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(error) => {
-                eprintln!("outbox-relay: {error}");
-                ExitCode::from(EXIT_FATAL)
-            }
-        };
+}
+
+/// The configuration, from its layers, and the tracing settings; an error
+/// as it is shown.
+fn load(flags: &Options) -> Result<(Loaded, traces::Settings), String> {
+    let file = flags
+        .config
+        .clone()
+        .or_else(|| std::env::var_os(CONFIG_FILE_VAR).map(PathBuf::from));
+    let loaded = Sources::from_process(file, flags.keys.layer())
+        .load()
+        .map_err(|error| error.to_string())?;
+    // Traces are configured by the standard OTEL_* variables alone.
+    let tracing_settings = traces::Settings::from_env().map_err(|error| error.to_string())?;
+    Ok((loaded, tracing_settings))
+}
+
+/// `migrate --print`: the migration script (or, with `--finish`, the one
+/// that finishes it), for the operator to run.
+fn print_migration(loaded: &Loaded, finish: bool) -> ExitCode {
+    // stdout is the script: no log lines there.
+    warn_unknown_env_on_stderr(loaded);
+    let (schema, table) = (&loaded.config.schema, &loaded.config.table);
+    let script = if finish {
+        migrate::finish_script(schema, table)
+    } else {
+        migrate::script(schema, table)
+    };
+    print!("{script}");
+    ExitCode::SUCCESS
+}
+
+/// `tail`: the messages the relay publishes, until a signal.
+fn tail(runtime: &Runtime, loaded: &Loaded, routing_key: &str, json: bool) -> ExitCode {
+    // stdout is the messages: no log lines there.
+    warn_unknown_env_on_stderr(loaded);
+    let mut out = std::io::stdout();
+    let result = runtime.block_on(outbox_relay::tail::run(
+        &loaded.config,
+        routing_key,
+        json,
+        &mut out,
+        shutdown::signal(),
+    ));
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("outbox-relay: {error}");
+            ExitCode::from(EXIT_FATAL)
+        }
     }
-    if let Command::Status { json, wide } = command {
-        // stdout is the report: no log lines there.
-        warn_unknown_env_on_stderr(&loaded);
-        return runtime.block_on(status(loaded.config, json, wide));
-    }
-    if let Command::Requeue { .. } | Command::Discard { .. } | Command::Replay { .. } = command {
-        // stdout is what changed: no log lines there.
-        warn_unknown_env_on_stderr(&loaded);
-        return runtime.block_on(lifecycle(loaded.config, command));
-    }
+}
+
+/// The relay (or `migrate`), with logging on stdout, and traces exported
+/// when configured (not for `migrate`): runs until a signal, gives the
+/// exporter what is left of the grace period, and reports how it ended.
+fn run_logged(
+    runtime: &Runtime,
+    loaded: Loaded,
+    command: Command,
+    tracing_settings: &traces::Settings,
+) -> ExitCode {
     // Before the runtime runs: the exporter's blocking client is not to be
     // made inside it.
     let exporting = match &command {
         Command::Migrate { .. } => None,
-        _ => match traces::install(&tracing_settings) {
+        _ => match traces::install(tracing_settings) {
             Ok(exporting) => exporting,
             Err(error) => {
                 eprintln!("outbox-relay: configuration error: traces: {error}");
@@ -217,7 +240,7 @@ fn main() -> ExitCode {
     };
     telemetry::init(loaded.config.log_format, &loaded.config.log);
     warn_unknown_env(&loaded);
-    if let traces::Settings::On(export) = &tracing_settings
+    if let traces::Settings::On(export) = tracing_settings
         && exporting.is_some()
     {
         tracing::info!(

@@ -96,128 +96,31 @@ impl Metrics {
     }
 
     fn with_cap(cap: Option<usize>) -> Metrics {
-        let registry = Registry::new();
-        let published = Arc::new(TenantFamily::counter(
-            "outbox_published_total",
-            "Rows published and confirmed by the broker.",
-            None,
-        ));
-        let publish_failures = Arc::new(TenantFamily::counter(
-            "outbox_publish_failures_total",
-            "Publishes refused or failed, by reason.",
-            Some("reason"),
-        ));
-        let sweeps = Arc::new(TenantFamily::counter(
-            "outbox_sweeps_total",
-            "Sweeps of a tenant, by outcome.",
-            Some("outcome"),
-        ));
-        let sweep_duration = HistogramVec::new(
-            HistogramOpts::new(
-                "outbox_sweep_duration_seconds",
-                "Duration of one sweep of one tenant.",
-            )
-            .buckets(vec![
-                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-            ]),
-            &["outcome"],
-        )
-        .expect("valid metric");
-        let delivery_delay = Histogram::with_opts(
-            HistogramOpts::new(
-                "outbox_delivery_delay_seconds",
-                "Broker confirm time minus the row's occurred_at.",
-            )
-            .buckets(vec![
-                0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                300.0,
-            ]),
-        )
-        .expect("valid metric");
-        let lag = Arc::new(TenantFamily::gauge(
-            "outbox_lag_seconds",
-            "How long the tenant's oldest pending row has waited: its age by the database's clock, or how long the relay has seen it waiting, whichever is longer.",
-        ));
-        let writer_wait = Arc::new(TenantFamily::gauge(
-            "outbox_writer_wait_seconds",
-            "How long a tenant's rows have waited for writers in flight (transactions, prepared ones included, that took an id of the tenant and have not ended): 0 when none is waited for.",
-        ));
-        let tenant_backoff = Arc::new(TenantFamily::gauge(
-            "outbox_tenant_backoff_seconds",
-            "Current back-off of the tenant after failed sweeps; 0 when not backing off.",
-        ));
-        let parked = Arc::new(TenantFamily::gauge(
-            "outbox_parked_rows",
-            "Rows of the tenant parked (refused for their own sake park_after_attempts times) and not yet requeued or discarded, as the database counts them.",
-        ));
-        let amqp_connected = IntGauge::new(
-            "outbox_amqp_connected",
-            "Whether the broker connection is up (1) or not (0).",
-        )
-        .expect("valid metric");
-        let amqp_blocked = IntGauge::new(
-            "outbox_amqp_blocked",
-            "Whether the broker blocks the relay's connection (connection.blocked, a resource alarm): 1 while it does; nothing is published meanwhile.",
-        )
-        .expect("valid metric");
-        let amqp_endpoint = IntGaugeVec::new(
-            Opts::new(
-                "outbox_amqp_endpoint",
-                "The broker endpoint (host:port) the relay is connected to: 1 for the one in use, 0 for the others configured.",
-            ),
-            &["endpoint"],
-        )
-        .expect("valid metric");
-        let database_up = IntGauge::new(
-            "outbox_database_up",
-            "Whether the last poll reached the database (1) or not (0); a poll the server answered with an error reached it.",
-        )
-        .expect("valid metric");
-        let max_lag = Gauge::new(
-            "outbox_max_lag_seconds",
-            "The relay's max_lag_ms, in seconds: the lag budget /healthz, alerts and dashboards compare outbox_lag_seconds with.",
-        )
-        .expect("valid metric");
-        let wakeups = IntCounter::new(
-            "outbox_wakeups_total",
-            "Notifications that started a sweep (or a follow-up of the running one).",
-        )
-        .expect("valid metric");
-        let wakeup_connected = IntGauge::new(
-            "outbox_wakeup_connected",
-            "Whether the wake-up connection is LISTENing (1) or not (0); always 0 with wakeup = poll.",
-        )
-        .expect("valid metric");
-        let retention_deleted = IntCounter::new(
-            "outbox_retention_deleted_total",
-            "Published (or discarded) rows deleted by retention (retention_ms).",
-        )
-        .expect("valid metric");
-        let settlement_retries = IntCounterVec::new(
-            Opts::new(
-                "outbox_settlement_retries_total",
-                "Settlements that failed after the broker confirmed and were retried in a new transaction, by outcome (marked, gave_up).",
-            ),
-            &["outcome"],
-        )
-        .expect("valid metric");
-        let resent_rows = IntCounter::new(
-            "outbox_resent_rows_total",
-            "Rows the broker confirmed whose marks were lost (settlement and its retries failed): they stay pending and go out again.",
-        )
-        .expect("valid metric");
-        for outcome in ["marked", "gave_up"] {
-            settlement_retries.with_label_values(&[outcome]);
-        }
-        let build_info = IntGaugeVec::new(
-            Opts::new("outbox_build_info", "The relay's version; always 1."),
-            &["version"],
-        )
-        .expect("valid metric");
-        build_info
-            .with_label_values(&[env!("CARGO_PKG_VERSION")])
-            .set(1);
-
+        let TenantFamilies {
+            published,
+            publish_failures,
+            sweeps,
+            lag,
+            writer_wait,
+            tenant_backoff,
+            parked,
+        } = TenantFamilies::new();
+        let Connections {
+            amqp_connected,
+            amqp_blocked,
+            amqp_endpoint,
+            database_up,
+            wakeup_connected,
+        } = Connections::new();
+        let RelayFamilies {
+            delivery_delay,
+            max_lag,
+            wakeups,
+            retention_deleted,
+            settlement_retries,
+            resent_rows,
+        } = RelayFamilies::new();
+        let sweep_duration = sweep_duration();
         let families: Vec<Arc<dyn Collector>> = vec![
             published.clone() as Arc<dyn Collector>,
             publish_failures.clone(),
@@ -239,19 +142,12 @@ impl Metrics {
             Arc::new(settlement_retries.clone()),
             Arc::new(resent_rows.clone()),
             Arc::new(crate::traces::spans_dropped().clone()),
-            Arc::new(build_info),
+            Arc::new(build_info()),
         ];
-        // The registry is kept only to refuse a name given twice.
-        for collector in &families {
-            registry
-                .register(Box::new(Shared(collector.clone())))
-                .expect("metric names are unique");
-        }
-
+        register(&families);
         for outcome in Outcome::ALL {
             sweep_duration.with_label_values(&[outcome.as_str()]);
         }
-
         Metrics {
             families: Arc::new(families),
             labels: Arc::new(Mutex::new(Labels {
@@ -508,6 +404,216 @@ impl Metrics {
     /// error).
     pub fn database_is_up(&self) -> bool {
         self.database_up.get() == 1
+    }
+}
+
+/// The families with a series per tenant.
+struct TenantFamilies {
+    published: Arc<TenantFamily>,
+    publish_failures: Arc<TenantFamily>,
+    sweeps: Arc<TenantFamily>,
+    lag: Arc<TenantFamily>,
+    writer_wait: Arc<TenantFamily>,
+    tenant_backoff: Arc<TenantFamily>,
+    parked: Arc<TenantFamily>,
+}
+
+impl TenantFamilies {
+    fn new() -> TenantFamilies {
+        let published = Arc::new(TenantFamily::counter(
+            "outbox_published_total",
+            "Rows published and confirmed by the broker.",
+            None,
+        ));
+        let publish_failures = Arc::new(TenantFamily::counter(
+            "outbox_publish_failures_total",
+            "Publishes refused or failed, by reason.",
+            Some("reason"),
+        ));
+        let sweeps = Arc::new(TenantFamily::counter(
+            "outbox_sweeps_total",
+            "Sweeps of a tenant, by outcome.",
+            Some("outcome"),
+        ));
+        let lag = Arc::new(TenantFamily::gauge(
+            "outbox_lag_seconds",
+            "How long the tenant's oldest pending row has waited: its age by the database's clock, or how long the relay has seen it waiting, whichever is longer.",
+        ));
+        let writer_wait = Arc::new(TenantFamily::gauge(
+            "outbox_writer_wait_seconds",
+            "How long a tenant's rows have waited for writers in flight (transactions, prepared ones included, that took an id of the tenant and have not ended): 0 when none is waited for.",
+        ));
+        let tenant_backoff = Arc::new(TenantFamily::gauge(
+            "outbox_tenant_backoff_seconds",
+            "Current back-off of the tenant after failed sweeps; 0 when not backing off.",
+        ));
+        let parked = Arc::new(TenantFamily::gauge(
+            "outbox_parked_rows",
+            "Rows of the tenant parked (refused for their own sake park_after_attempts times) and not yet requeued or discarded, as the database counts them.",
+        ));
+        TenantFamilies {
+            published,
+            publish_failures,
+            sweeps,
+            lag,
+            writer_wait,
+            tenant_backoff,
+            parked,
+        }
+    }
+}
+
+/// Whether the relay's connections are up, and to which broker endpoint.
+struct Connections {
+    amqp_connected: IntGauge,
+    amqp_blocked: IntGauge,
+    amqp_endpoint: IntGaugeVec,
+    database_up: IntGauge,
+    wakeup_connected: IntGauge,
+}
+
+impl Connections {
+    fn new() -> Connections {
+        let amqp_connected = IntGauge::new(
+            "outbox_amqp_connected",
+            "Whether the broker connection is up (1) or not (0).",
+        )
+        .expect("valid metric");
+        let amqp_blocked = IntGauge::new(
+            "outbox_amqp_blocked",
+            "Whether the broker blocks the relay's connection (connection.blocked, a resource alarm): 1 while it does; nothing is published meanwhile.",
+        )
+        .expect("valid metric");
+        let amqp_endpoint = IntGaugeVec::new(
+            Opts::new(
+                "outbox_amqp_endpoint",
+                "The broker endpoint (host:port) the relay is connected to: 1 for the one in use, 0 for the others configured.",
+            ),
+            &["endpoint"],
+        )
+        .expect("valid metric");
+        let database_up = IntGauge::new(
+            "outbox_database_up",
+            "Whether the last poll reached the database (1) or not (0); a poll the server answered with an error reached it.",
+        )
+        .expect("valid metric");
+        let wakeup_connected = IntGauge::new(
+            "outbox_wakeup_connected",
+            "Whether the wake-up connection is LISTENing (1) or not (0); always 0 with wakeup = poll.",
+        )
+        .expect("valid metric");
+        Connections {
+            amqp_connected,
+            amqp_blocked,
+            amqp_endpoint,
+            database_up,
+            wakeup_connected,
+        }
+    }
+}
+
+/// The relay-wide families: delivery delay, the lag budget,
+/// wake-ups, retention, settlement retries.
+struct RelayFamilies {
+    delivery_delay: Histogram,
+    max_lag: Gauge,
+    wakeups: IntCounter,
+    retention_deleted: IntCounter,
+    settlement_retries: IntCounterVec,
+    resent_rows: IntCounter,
+}
+
+impl RelayFamilies {
+    fn new() -> RelayFamilies {
+        let delivery_delay = Histogram::with_opts(
+            HistogramOpts::new(
+                "outbox_delivery_delay_seconds",
+                "Broker confirm time minus the row's occurred_at.",
+            )
+            .buckets(vec![
+                0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+                300.0,
+            ]),
+        )
+        .expect("valid metric");
+        let max_lag = Gauge::new(
+            "outbox_max_lag_seconds",
+            "The relay's max_lag_ms, in seconds: the lag budget /healthz, alerts and dashboards compare outbox_lag_seconds with.",
+        )
+        .expect("valid metric");
+        let wakeups = IntCounter::new(
+            "outbox_wakeups_total",
+            "Notifications that started a sweep (or a follow-up of the running one).",
+        )
+        .expect("valid metric");
+        let retention_deleted = IntCounter::new(
+            "outbox_retention_deleted_total",
+            "Published (or discarded) rows deleted by retention (retention_ms).",
+        )
+        .expect("valid metric");
+        let settlement_retries = IntCounterVec::new(
+            Opts::new(
+                "outbox_settlement_retries_total",
+                "Settlements that failed after the broker confirmed and were retried in a new transaction, by outcome (marked, gave_up).",
+            ),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        let resent_rows = IntCounter::new(
+            "outbox_resent_rows_total",
+            "Rows the broker confirmed whose marks were lost (settlement and its retries failed): they stay pending and go out again.",
+        )
+        .expect("valid metric");
+        for outcome in ["marked", "gave_up"] {
+            settlement_retries.with_label_values(&[outcome]);
+        }
+        RelayFamilies {
+            delivery_delay,
+            max_lag,
+            wakeups,
+            retention_deleted,
+            settlement_retries,
+            resent_rows,
+        }
+    }
+}
+
+/// The duration of sweeps, by outcome.
+fn sweep_duration() -> HistogramVec {
+    HistogramVec::new(
+        HistogramOpts::new(
+            "outbox_sweep_duration_seconds",
+            "Duration of one sweep of one tenant.",
+        )
+        .buckets(vec![
+            0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+        ]),
+        &["outcome"],
+    )
+    .expect("valid metric")
+}
+
+/// The relay's version, as a series always 1.
+fn build_info() -> IntGaugeVec {
+    let build_info = IntGaugeVec::new(
+        Opts::new("outbox_build_info", "The relay's version; always 1."),
+        &["version"],
+    )
+    .expect("valid metric");
+    build_info
+        .with_label_values(&[env!("CARGO_PKG_VERSION")])
+        .set(1);
+    build_info
+}
+
+/// Registers every family on a registry of its own, kept only to refuse a
+/// name given twice.
+fn register(families: &[Arc<dyn Collector>]) {
+    let registry = Registry::new();
+    for collector in families {
+        registry
+            .register(Box::new(Shared(collector.clone())))
+            .expect("metric names are unique");
     }
 }
 

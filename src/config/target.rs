@@ -155,37 +155,7 @@ impl FromStr for DatabaseTarget {
         super::dsn::known_keys(read.iter().map(|(key, _)| key.as_str()))?;
         let pairs: Vec<(String, String)> = read.iter().filter_map(|(k, v)| keep(k, v)).collect();
         let param = |key: &str| last(&tls_params, key);
-        let files = tls::Files {
-            roots: param("sslrootcert"),
-            cert: param("sslcert"),
-            key: param("sslkey"),
-        };
-        let check = match param("sslmode").map(|(_, mode)| mode) {
-            None | Some("disable") => None,
-            Some("require" | "verify-full") => Some(Check::ChainAndName),
-            Some("verify-ca") => Some(Check::ChainOnly),
-            Some(mode @ ("prefer" | "allow")) => {
-                return Err(format!(
-                    "sslmode={mode} would connect without TLS when the server offers none; \
-                     use sslmode=require, verify-ca or verify-full (or disable)"
-                ));
-            }
-            Some(_) => {
-                return Err("sslmode must be disable, require, verify-ca or verify-full".into());
-            }
-        };
-        let tls = match check {
-            Some(check) => Some(Arc::new(tls::client_config(&files, check)?)),
-            None => {
-                if let Some((key, _)) = files.roots.or(files.cert).or(files.key) {
-                    return Err(format!(
-                        "{key} needs sslmode=require, verify-ca or verify-full \
-                         (without sslmode the connection is plain)"
-                    ));
-                }
-                None
-            }
-        };
+        let tls = database_tls(&tls_params)?;
         let parse = |pairs: &[(String, String)]| {
             let mut config: tokio_postgres::Config =
                 super::dsn::join(pairs)
@@ -454,6 +424,46 @@ impl FromStr for AmqpEndpoint {
         };
         let redacted = shown_amqp(&uri, &query);
         Ok(AmqpEndpoint { uri, tls, redacted })
+    }
+}
+
+/// The TLS of a database connection, from its `ssl*` parameters (the last
+/// of each): none with `sslmode=disable` or no `sslmode` (and then no
+/// certificate file may be named either), or the check `require`,
+/// `verify-full` or `verify-ca` asks for. `prefer` and `allow` are refused:
+/// they would connect without TLS when the server offers none.
+fn database_tls(
+    tls_params: &[(String, String)],
+) -> Result<Option<Arc<rustls::ClientConfig>>, String> {
+    let param = |key: &str| last(tls_params, key);
+    let files = tls::Files {
+        roots: param("sslrootcert"),
+        cert: param("sslcert"),
+        key: param("sslkey"),
+    };
+    let check = match param("sslmode").map(|(_, mode)| mode) {
+        None | Some("disable") => None,
+        Some("require" | "verify-full") => Some(Check::ChainAndName),
+        Some("verify-ca") => Some(Check::ChainOnly),
+        Some(mode @ ("prefer" | "allow")) => {
+            return Err(format!(
+                "sslmode={mode} would connect without TLS when the server offers none; \
+                 use sslmode=require, verify-ca or verify-full (or disable)"
+            ));
+        }
+        Some(_) => {
+            return Err("sslmode must be disable, require, verify-ca or verify-full".into());
+        }
+    };
+    match check {
+        Some(check) => Ok(Some(Arc::new(tls::client_config(&files, check)?))),
+        None => match files.roots.or(files.cert).or(files.key) {
+            Some((key, _)) => Err(format!(
+                "{key} needs sslmode=require, verify-ca or verify-full \
+                 (without sslmode the connection is plain)"
+            )),
+            None => Ok(None),
+        },
     }
 }
 
