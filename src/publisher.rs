@@ -26,6 +26,7 @@
 
 mod confirms;
 mod isolation;
+mod outcome;
 mod rotation;
 mod spans;
 
@@ -50,6 +51,8 @@ use crate::traces::PublishSpan;
 use confirms::{Batch, ConfirmChannel};
 use isolation::Isolation;
 use rotation::Rotation;
+
+pub use outcome::ConfirmOutcome;
 
 /// Deadline for connecting to one endpoint (TCP, TLS, AMQP handshake) and
 /// for opening a channel.

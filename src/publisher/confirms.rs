@@ -39,6 +39,7 @@ use tokio::time::Instant;
 
 use super::Session;
 use super::isolation::{Isolation, Verdict};
+use super::outcome::{self, ConfirmOutcome};
 use crate::domain::{BatchReport, FailureReason, Refusal};
 use crate::envelope::Message;
 use crate::started::Started;
@@ -433,78 +434,43 @@ impl Collector {
     }
 
     fn settle(&mut self, mut published: Published, touched: &mut Vec<Arc<Batch>>) {
-        let outcome = published.confirm.take();
         let index = published.index;
         let mut returned = None;
-        let mut refusal = None;
         let mut reset = false;
-        match outcome {
-            None if self.status.blocked() => {
+        let refusal = match ConfirmOutcome::of(published.confirm.take()) {
+            ConfirmOutcome::Delivered => None,
+            ConfirmOutcome::Returned(message) => {
+                returned = Some(message);
+                None
+            }
+            ConfirmOutcome::Refused(refusal, message) => {
+                returned = message;
+                Some(refusal)
+            }
+            ConfirmOutcome::TimedOut if self.status.blocked() => {
                 // The broker blocks the connection: it is kept, and the row
                 // is not blamed. (The channel is retired all the same: the
                 // confirm may still come, after the unblock.)
-                refusal = Some(Refusal::shared(
+                Some(Refusal::shared(
                     FailureReason::Timeout,
                     format!("no confirm from the broker in time: {}", super::BLOCKED),
-                ));
+                ))
             }
-            None => {
+            ConfirmOutcome::TimedOut => {
                 reset = true;
-                refusal = Some(self.not_the_rows(
+                Some(self.not_the_rows(
                     FailureReason::Timeout,
                     "no confirm from the broker in time".into(),
-                ));
+                ))
             }
-            Some(Ok(Confirmation::Ack(message))) => returned = message,
-            Some(Ok(Confirmation::Nack(message))) => {
-                returned = message;
-                refusal = Some(Refusal::new(
-                    FailureReason::Nack,
-                    "the broker nacked the message",
-                ));
-            }
-            Some(Ok(Confirmation::NotRequested)) => {
-                refusal = Some(Refusal::shared(
-                    FailureReason::Other,
-                    "the channel is not in confirm mode",
-                ));
-            }
-            Some(Err(error)) => {
+            ConfirmOutcome::Failed(error) => {
                 reset = !self
                     .session
                     .upgrade()
                     .is_some_and(|s| s.connection.status().connected());
-                refusal = Some(match self.isolation.judge(&error) {
-                    Verdict::Refused(_, detail) => {
-                        // Which message the broker refused is not known:
-                        // every one in flight goes alone next (`isolation`).
-                        self.isolation.suspect(published.row_id);
-                        self.tell_closed(|| {
-                            tracing::warn!(
-                                error = %detail,
-                                "the broker closed the shared channel over a message; \
-                                 the rows in flight are sent again one at a time to find it"
-                            );
-                        });
-                        Refusal::shared(
-                            FailureReason::Connection,
-                            format!(
-                                "the broker closed the shared channel ({detail}) while this \
-                                 row was in flight; the rows in flight go again one at a time"
-                            ),
-                        )
-                    }
-                    Verdict::Configuration(detail) => {
-                        let isolation = self.isolation.clone();
-                        self.tell_closed(|| isolation.log_configuration_problem(&detail));
-                        self.isolation.configuration_problem(&detail)
-                    }
-                    Verdict::Connection(detail) => {
-                        self.not_the_rows(FailureReason::Connection, detail)
-                    }
-                });
+                Some(self.judge_failure(&error, published.row_id))
             }
-        }
+        };
         // Anything but an ack or a nack leaves the channel in doubt.
         let failed = refusal
             .as_ref()
@@ -530,6 +496,39 @@ impl Collector {
         add_touched(touched, &published.batch);
         if let Some(message) = returned {
             self.route_return(message, &published, touched);
+        }
+    }
+
+    /// The refusal of row `row_id`, in flight on the channel when it failed
+    /// with `error`: the broker's reason is judged (see `isolation`), and
+    /// logged once per channel.
+    fn judge_failure(&mut self, error: &lapin::Error, row_id: i64) -> Refusal {
+        match self.isolation.judge(error) {
+            Verdict::Refused(_, detail) => {
+                // Which message the broker refused is not known:
+                // every one in flight goes alone next (`isolation`).
+                self.isolation.suspect(row_id);
+                self.tell_closed(|| {
+                    tracing::warn!(
+                        error = %detail,
+                        "the broker closed the shared channel over a message; \
+                         the rows in flight are sent again one at a time to find it"
+                    );
+                });
+                Refusal::shared(
+                    FailureReason::Connection,
+                    format!(
+                        "the broker closed the shared channel ({detail}) while this \
+                         row was in flight; the rows in flight go again one at a time"
+                    ),
+                )
+            }
+            Verdict::Configuration(detail) => {
+                let isolation = self.isolation.clone();
+                self.tell_closed(|| isolation.log_configuration_problem(&detail));
+                self.isolation.configuration_problem(&detail)
+            }
+            Verdict::Connection(detail) => self.not_the_rows(FailureReason::Connection, detail),
         }
     }
 
@@ -560,7 +559,6 @@ impl Collector {
         carrier: &Published,
         touched: &mut Vec<Arc<Batch>>,
     ) {
-        let detail = returned_detail(&message);
         let owner = match returned_id(&message) {
             Some(id) if id == carrier.row_id => Some((carrier.batch.clone(), carrier.index)),
             Some(id) => owner_of(&self.ledger, id),
@@ -571,9 +569,7 @@ impl Collector {
             Some((batch, index)) => {
                 let mut state = batch.state();
                 state.confirmed[index] = None;
-                state
-                    .report
-                    .refuse(index, Refusal::new(FailureReason::Unroutable, detail));
+                state.report.refuse(index, outcome::unroutable(&message));
                 drop(state);
                 add_touched(touched, &batch);
             }
@@ -583,16 +579,6 @@ impl Collector {
             ),
         }
     }
-}
-
-/// Why a returned message did not go out, as its row's `last_error` says.
-pub(super) fn returned_detail(message: &BasicReturnMessage) -> String {
-    format!(
-        "returned by the broker: {} {} (no queue bound for routing key {:?})",
-        message.reply_code,
-        message.reply_text,
-        message.delivery.routing_key.as_str()
-    )
 }
 
 fn returned_id(message: &BasicReturnMessage) -> Option<i64> {
