@@ -14,6 +14,11 @@ use lapin::message::BasicReturnMessage;
 
 use crate::domain::{FailureReason, Refusal};
 
+/// Why nothing more is sent while the broker blocks the connection: the
+/// sweep's refusal (reason `timeout`, written on no row), and what a confirm
+/// missing meanwhile is put down to.
+pub const BLOCKED: &str = "the broker blocks publishers (connection.blocked: a resource alarm); the rows wait for it to unblock";
+
 /// What became of one published message, as its confirm (or the lack of
 /// one) says.
 #[derive(Debug)]
