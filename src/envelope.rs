@@ -129,58 +129,14 @@ impl Envelope {
         frame_max: u32,
         trace: impl FnOnce(Traced<'_>) -> Option<(String, String)>,
     ) -> Result<Message, Refusal> {
-        let too_large = |bytes: u64| {
-            Refusal::new(
-                FailureReason::TooLarge,
-                format!(
-                    "payload is {bytes} bytes, over max_payload_bytes ({})",
-                    self.max_payload_bytes
-                ),
-            )
-        };
-        let body = match &row.payload {
-            Payload::Body(body) if body.len() > self.max_payload_bytes => {
-                return Err(too_large(body.len() as u64));
-            }
-            Payload::Body(body) => body.clone(),
-            Payload::Tombstone => Bytes::new(),
-            Payload::TooLarge { bytes } => return Err(too_large(*bytes)),
-            Payload::OverBudget { bytes } => {
-                return Err(Refusal::new(
-                    FailureReason::Other,
-                    format!("the payload ({bytes} bytes) was not read"),
-                ));
-            }
-        };
+        let body = self.body(row)?;
         if let Some(defect) = &row.defect {
             return Err(Refusal::new(FailureReason::Invalid, defect.clone()));
         }
         let key = self.routing_key.render(tenant, &row.kind, &row.subject_id);
         let routing_key = short(key, "routing key")?;
         let kind = short(row.kind.clone(), "kind (the message type)")?;
-
-        // Written straight into the header's value.
-        let mut occurred_at = Vec::with_capacity(OCCURRED_AT_LEN);
-        row.occurred_at
-            .to_offset(time::UtcOffset::UTC)
-            .format_into(&mut occurred_at, &Rfc3339)
-            .map_err(|e| {
-                Refusal::new(
-                    FailureReason::Invalid,
-                    format!("occurred_at cannot be formatted: {e}"),
-                )
-            })?;
-        let mut headers = BTreeMap::new();
-        headers.insert("outbox-id".into(), AMQPValue::LongLongInt(row.id));
-        headers.insert("outbox-tenant-id".into(), long_string(tenant));
-        headers.insert("outbox-subject-id".into(), long_string(&row.subject_id));
-        headers.insert(
-            "outbox-occurred-at".into(),
-            AMQPValue::LongString(occurred_at.into()),
-        );
-        if row.payload == Payload::Tombstone {
-            headers.insert("outbox-tombstone".into(), AMQPValue::Boolean(true));
-        }
+        let mut headers = relay_headers(tenant, row)?;
         if let Some(extra) = &row.headers {
             merge_row_headers(&mut headers, extra)?;
         }
@@ -204,27 +160,91 @@ impl Envelope {
             .with_content_type(self.content_type.clone())
             .with_app_id(APP_ID.into())
             .with_headers(FieldTable::from(headers));
-        let properties = match (fits_one_frame(&properties, frame_max), rows_own) {
-            (Ok(()), _) => properties,
-            (Err(refusal), None) => return Err(refusal),
-            // Too large with the relay's trace context: the row's own again.
-            (Err(_), Some(rows_own)) => {
-                let mut headers = properties
-                    .headers()
-                    .as_ref()
-                    .map(|table| table.inner().clone())
-                    .unwrap_or_default();
-                restore_trace_context(&mut headers, rows_own);
-                let properties = properties.with_headers(FieldTable::from(headers));
-                fits_one_frame(&properties, frame_max)?;
-                properties
-            }
-        };
         Ok(Message {
             routing_key,
-            properties,
+            properties: fitted(properties, frame_max, rows_own)?,
             body,
         })
+    }
+
+    /// The row's body, shared: refused over `max_payload_bytes`, or when its
+    /// payload was not read (over the byte budget); empty for a tombstone.
+    fn body(&self, row: &OutboxRow) -> Result<Bytes, Refusal> {
+        let too_large = |bytes: u64| {
+            Refusal::new(
+                FailureReason::TooLarge,
+                format!(
+                    "payload is {bytes} bytes, over max_payload_bytes ({})",
+                    self.max_payload_bytes
+                ),
+            )
+        };
+        match &row.payload {
+            Payload::Body(body) if body.len() > self.max_payload_bytes => {
+                Err(too_large(body.len() as u64))
+            }
+            Payload::Body(body) => Ok(body.clone()),
+            Payload::Tombstone => Ok(Bytes::new()),
+            Payload::TooLarge { bytes } => Err(too_large(*bytes)),
+            Payload::OverBudget { bytes } => Err(Refusal::new(
+                FailureReason::Other,
+                format!("the payload ({bytes} bytes) was not read"),
+            )),
+        }
+    }
+}
+
+/// The headers the relay sets on `row`'s message of `tenant` (see
+/// [`RESERVED_HEADERS`]), before the row's own are merged in.
+fn relay_headers(tenant: &str, row: &OutboxRow) -> Result<Headers, Refusal> {
+    // Written straight into the header's value.
+    let mut occurred_at = Vec::with_capacity(OCCURRED_AT_LEN);
+    row.occurred_at
+        .to_offset(time::UtcOffset::UTC)
+        .format_into(&mut occurred_at, &Rfc3339)
+        .map_err(|e| {
+            Refusal::new(
+                FailureReason::Invalid,
+                format!("occurred_at cannot be formatted: {e}"),
+            )
+        })?;
+    let mut headers = BTreeMap::new();
+    headers.insert("outbox-id".into(), AMQPValue::LongLongInt(row.id));
+    headers.insert("outbox-tenant-id".into(), long_string(tenant));
+    headers.insert("outbox-subject-id".into(), long_string(&row.subject_id));
+    headers.insert(
+        "outbox-occurred-at".into(),
+        AMQPValue::LongString(occurred_at.into()),
+    );
+    if row.payload == Payload::Tombstone {
+        headers.insert("outbox-tombstone".into(), AMQPValue::Boolean(true));
+    }
+    Ok(headers)
+}
+
+/// `properties` if they fit one frame of `frame_max`; else, when they carry
+/// the relay's trace context instead of the row's own (`rows_own`), the
+/// same with the row's own again, if that fits.
+fn fitted(
+    properties: BasicProperties,
+    frame_max: u32,
+    rows_own: Option<TraceHeaders>,
+) -> Result<BasicProperties, Refusal> {
+    match (fits_one_frame(&properties, frame_max), rows_own) {
+        (Ok(()), _) => Ok(properties),
+        (Err(refusal), None) => Err(refusal),
+        // Too large with the relay's trace context: the row's own again.
+        (Err(_), Some(rows_own)) => {
+            let mut headers = properties
+                .headers()
+                .as_ref()
+                .map(|table| table.inner().clone())
+                .unwrap_or_default();
+            restore_trace_context(&mut headers, rows_own);
+            let properties = properties.with_headers(FieldTable::from(headers));
+            fits_one_frame(&properties, frame_max)?;
+            Ok(properties)
+        }
     }
 }
 

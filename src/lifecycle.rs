@@ -9,14 +9,13 @@
 
 use std::time::Duration;
 
-use lapin::Confirmation;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, ShortString};
 
 use crate::config::Config;
 use crate::domain::OutboxRow;
 use crate::envelope::Envelope;
-use crate::publisher::{OpenError, open_channel};
+use crate::publisher::{ConfirmOutcome, OpenError, open_channel};
 use crate::store::{Changed, Store, StoreError};
 
 /// The header every replayed message carries, beside the relay's own.
@@ -223,16 +222,16 @@ async fn send_page(
         }
     }
     for (id, confirm) in confirms {
-        let answer = tokio::time::timeout(confirm_timeout, confirm).await;
-        let failure = match answer {
-            Ok(Ok(Confirmation::Ack(None) | Confirmation::NotRequested)) => None,
-            Ok(Ok(Confirmation::Ack(Some(returned)))) => Some(format!(
+        let answer = tokio::time::timeout(confirm_timeout, confirm).await.ok();
+        let failure = match ConfirmOutcome::of(answer) {
+            ConfirmOutcome::Delivered => None,
+            ConfirmOutcome::Returned(returned) => Some(format!(
                 "unroutable: returned by the broker: {} {}",
                 returned.reply_code, returned.reply_text
             )),
-            Ok(Ok(Confirmation::Nack(_))) => Some("nack: the broker nacked the message".into()),
-            Ok(Err(error)) => Some(format!("connection: {error}")),
-            Err(_) => Some(format!(
+            ConfirmOutcome::Refused(refusal, _) => Some(refusal.last_error()),
+            ConfirmOutcome::Failed(error) => Some(format!("connection: {error}")),
+            ConfirmOutcome::TimedOut => Some(format!(
                 "timeout: no confirm within {} ms",
                 confirm_timeout.as_millis()
             )),

@@ -254,7 +254,7 @@ impl Relay {
                 };
                 match progress {
                     Progress::Confirmed(prefix) => claim.mark_ahead(prefix),
-                    Progress::Settled(report) => break report,
+                    Progress::Resolved(report) => break report,
                 }
             };
             let confirmed = started.elapsed();

@@ -1,18 +1,18 @@
 //! One confirm-mode channel shared by all of a relay's sweeps, and the task
-//! that settles its publisher confirms.
+//! that resolves its publisher confirms.
 //!
 //! One channel, because RabbitMQ's cost per message grows with the number of
 //! channels publishing at once: a channel per running sweep multiplied them by
 //! `concurrency` (README › Benchmarks).
 //!
-//! One task settles every confirm, because lapin hands a returned
+//! One task resolves every confirm, because lapin hands a returned
 //! (unroutable) message to whichever confirm the next ack frame resolves
 //! first; with a multiple-ack that may be the confirm of a message another
 //! sweep published on the same channel, even a later one. So the collector
-//! owns every confirm of the channel, settles them in publish (delivery-tag)
+//! owns every confirm of the channel, resolves them in publish (delivery-tag)
 //! order, and gives each return to the batch whose row has its `message_id`.
 //! A batch is done only when every message published on the channel before
-//! its last confirm was seen has been settled as well: RabbitMQ sends a
+//! its last confirm was seen has been resolved as well: RabbitMQ sends a
 //! message's return before its ack, so by then the return has reached one of
 //! those confirms and been routed.
 //!
@@ -24,10 +24,15 @@
 //! the collector judges the broker's reason once (see `isolation`), blames no
 //! row for it, and names the rows in flight as suspects to be sent again
 //! alone. The connection stays up for a channel-level error.
+//!
+//! What a confirm means is `outcome`'s to say; the collector adds what the
+//! sharing of the channel changes: whose a return is, and whether a timeout
+//! or a failure names its row. A silent or lost connection raises the
+//! session's `Alarm`: the collector never reaches the session itself.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use lapin::message::BasicReturnMessage;
@@ -37,14 +42,15 @@ use lapin::{Channel, Confirmation, ConnectionStatus};
 use tokio::sync::{Notify, mpsc};
 use tokio::time::Instant;
 
-use super::Session;
+use super::alarm::Alarm;
 use super::isolation::{Isolation, Verdict};
+use super::outcome::{self, BLOCKED, ConfirmOutcome};
 use crate::domain::{BatchReport, FailureReason, Refusal};
 use crate::envelope::Message;
 use crate::started::Started;
 
-/// The collector waits for the newest of this many unsettled confirms before
-/// settling them in order: the broker confirms mostly in order, so this wakes
+/// The collector waits for the newest of this many unresolved confirms before
+/// resolving them in order: the broker confirms mostly in order, so this wakes
 /// it about once per step rather than once per ack frame.
 const STEP: usize = 64;
 
@@ -54,7 +60,7 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// A confirm-mode channel whose confirms the collector settles.
+/// A confirm-mode channel whose confirms the collector resolves.
 pub(super) struct ConfirmChannel {
     channel: Arc<Channel>,
     ledger: Arc<Mutex<Ledger>>,
@@ -75,21 +81,21 @@ struct Ledger {
     /// Messages published so far: the next message's sequence number, which
     /// follows the channel's delivery tags.
     published: u64,
-    /// Every message with a lower sequence number is settled.
-    settled: u64,
-    /// Batches with all their own confirms settled, and the `settled` count
+    /// Every message with a lower sequence number is resolved.
+    resolved: u64,
+    /// Batches with all their own confirms resolved, and the `resolved` count
     /// they wait for.
-    waiting: Vec<(u64, Arc<Batch>)>,
+    waiting: Vec<(u64, Arc<BatchConfirms>)>,
     /// Batches that have published and are not done, oldest first: those a
     /// return can still name.
-    open: Vec<Arc<Batch>>,
+    open: Vec<Arc<BatchConfirms>>,
 }
 
 impl Ledger {
-    /// Every message below `seq` is settled: the batches waiting for that are
+    /// Every message below `seq` is resolved: the batches waiting for that are
     /// done (see `finish`).
-    fn settle_to(&mut self, seq: u64) -> Vec<Arc<Batch>> {
-        self.settled = seq;
+    fn resolve_to(&mut self, seq: u64) -> Vec<Arc<BatchConfirms>> {
+        self.resolved = seq;
         let (finished, waiting) = std::mem::take(&mut self.waiting)
             .into_iter()
             .partition(|(until, _)| *until <= seq);
@@ -98,20 +104,20 @@ impl Ledger {
     }
 
     /// The batch is done: a return can no longer name its rows.
-    fn finish(&mut self, batch: &Arc<Batch>, state: &mut BatchState) {
-        state.done = true;
+    fn finish(&mut self, batch: &Arc<BatchConfirms>, tally: &mut ConfirmTally) {
+        tally.done = true;
         self.open.retain(|open| !Arc::ptr_eq(open, batch));
     }
 }
 
 /// The batch not done whose rows include `row_id`, and its index there; the
 /// newest if the row was sent again.
-fn owner_of(ledger: &Mutex<Ledger>, row_id: i64) -> Option<(Arc<Batch>, usize)> {
+fn owner_of(ledger: &Mutex<Ledger>, row_id: i64) -> Option<(Arc<BatchConfirms>, usize)> {
     let open = lock(ledger).open.clone();
     open.into_iter().rev().find_map(|batch| {
         // Rows go out in order from index 0: a row's position among the
         // ids published is its index. (Returns are rare; a scan will do.)
-        let index = batch.state().ids.iter().position(|id| *id == row_id)?;
+        let index = batch.tally().ids.iter().position(|id| *id == row_id)?;
         Some((batch, index))
     })
 }
@@ -119,43 +125,47 @@ fn owner_of(ledger: &Mutex<Ledger>, row_id: i64) -> Option<(Arc<Batch>, usize)> 
 /// A published message, as the collector sees it.
 struct Published {
     seq: u64,
-    batch: Arc<Batch>,
+    batch: Arc<BatchConfirms>,
     index: usize,
     row_id: i64,
     deadline: Instant,
     confirm: Confirm,
 }
 
-/// One sweep's batch: what became of its messages so far.
-pub(super) struct Batch {
-    state: Mutex<BatchState>,
+/// The confirms of one sweep's batch, shared by the sweep and the
+/// collector: what became of its messages so far, and a wake-up for the
+/// sweep when the collector changed that.
+pub(super) struct BatchConfirms {
+    tally: Mutex<ConfirmTally>,
     changed: Notify,
 }
 
-pub(super) struct BatchState {
+/// What the collector has resolved of a batch's confirms, and the report
+/// they add up to.
+pub(super) struct ConfirmTally {
     /// When the broker acked each row (and it was not returned).
     pub confirmed: Vec<Option<SystemTime>>,
     pub report: BatchReport,
-    /// The batch's messages published, and settled, so far.
+    /// The batch's messages published, and resolved, so far.
     published: usize,
-    settled: usize,
+    resolved: usize,
     /// Row ids published, in row order.
     ids: Vec<i64>,
     sending_done: bool,
-    /// Registered to wait for the channel's `settled` count.
+    /// Registered to wait for the channel's `resolved` count.
     waiting: bool,
-    /// Every confirm that could carry one of its returns is settled.
+    /// Every confirm that could carry one of its returns is resolved.
     pub done: bool,
 }
 
-impl Batch {
-    pub fn new(rows: usize) -> Arc<Batch> {
-        Arc::new(Batch {
-            state: Mutex::new(BatchState {
+impl BatchConfirms {
+    pub fn new(rows: usize) -> Arc<BatchConfirms> {
+        Arc::new(BatchConfirms {
+            tally: Mutex::new(ConfirmTally {
                 confirmed: vec![None; rows],
                 report: BatchReport::default(),
                 published: 0,
-                settled: 0,
+                resolved: 0,
                 ids: Vec::with_capacity(rows),
                 sending_done: false,
                 waiting: false,
@@ -165,28 +175,29 @@ impl Batch {
         })
     }
 
-    pub fn state(&self) -> MutexGuard<'_, BatchState> {
-        lock(&self.state)
+    pub fn tally(&self) -> MutexGuard<'_, ConfirmTally> {
+        lock(&self.tally)
     }
 }
 
-impl BatchState {
-    /// Published but not settled.
+impl ConfirmTally {
+    /// Published but not resolved.
     pub fn in_flight(&self) -> usize {
-        self.published - self.settled
+        self.published - self.resolved
     }
 }
 
 impl ConfirmChannel {
     /// Wraps a confirm-mode `channel` of a connection whose frame size is
-    /// `frame_max`, and starts its collector. `session` is told (reset) when a
-    /// confirm times out or the connection fails; `isolation` judges the
-    /// broker's closing of the channel and keeps its suspects.
+    /// `frame_max`, and starts its collector. `alarm` is raised (the
+    /// connection is to be dropped) when a confirm times out or the
+    /// connection fails; `isolation` judges the broker's closing of the
+    /// channel and keeps its suspects.
     pub fn start(
         channel: Channel,
         frame_max: u32,
         status: ConnectionStatus,
-        session: Weak<Session>,
+        alarm: Alarm,
         isolation: Arc<Isolation>,
     ) -> Arc<ConfirmChannel> {
         let (submit, submissions) = mpsc::unbounded_channel();
@@ -197,7 +208,7 @@ impl ConfirmChannel {
             next_seq: 0,
             ledger: ledger.clone(),
             broken: broken.clone(),
-            session,
+            alarm,
             isolation,
             status: status.clone(),
             closed_by_broker: false,
@@ -231,8 +242,8 @@ impl ConfirmChannel {
 
     /// Waits until the collector changes `batch`. `false` if the collector
     /// has stopped (it only does once the channel is dropped, or if it
-    /// panicked): nothing more will be settled.
-    pub async fn changed(&self, batch: &Batch) -> bool {
+    /// panicked): nothing more will be resolved.
+    pub async fn changed(&self, batch: &BatchConfirms) -> bool {
         loop {
             let changed = tokio::time::timeout(COLLECTOR_CHECK, batch.changed.notified()).await;
             if changed.is_ok() {
@@ -254,10 +265,10 @@ impl ConfirmChannel {
     }
 
     /// Publishes `message`, the row `row_id` at `index` of `batch`, to
-    /// `exchange`; the collector settles its confirm.
+    /// `exchange`; the collector resolves its confirm.
     pub fn publish(
         &self,
-        batch: &Arc<Batch>,
+        batch: &Arc<BatchConfirms>,
         (index, row_id): (usize, i64),
         exchange: ShortString,
         message: Message,
@@ -282,10 +293,10 @@ impl ConfirmChannel {
                 .await
         };
         let first = {
-            let mut state = batch.state();
-            state.published += 1;
-            state.ids.push(row_id);
-            state.published == 1
+            let mut tally = batch.tally();
+            tally.published += 1;
+            tally.ids.push(row_id);
+            tally.published == 1
         };
         // Started, the send takes the next delivery tag and queues the
         // frames. Under the ledger's lock, so sequence numbers follow
@@ -309,12 +320,12 @@ impl ConfirmChannel {
         };
         if let Err(mpsc::error::SendError(published)) = self.submit.send(published) {
             // The collector is gone (it never stops while the channel is
-            // held); settle here so the batch still ends.
+            // held); resolve here so the batch still ends.
             drop(ledger);
             self.retire();
-            let mut state = batch.state();
-            state.settled += 1;
-            state.report.refuse(
+            let mut tally = batch.tally();
+            tally.resolved += 1;
+            tally.report.refuse(
                 published.index,
                 Refusal::new(FailureReason::Other, "the confirm collector stopped"),
             );
@@ -322,42 +333,43 @@ impl ConfirmChannel {
     }
 
     /// The batch will publish nothing more: it is done once its confirms, and
-    /// every confirm that could carry one of its returns, are settled.
-    pub fn sending_done(&self, batch: &Arc<Batch>) {
-        let mut state = batch.state();
-        state.sending_done = true;
-        if state.settled == state.published {
-            wait_for_channel(&self.ledger, batch, &mut state);
+    /// every confirm that could carry one of its returns, are resolved.
+    pub fn sending_done(&self, batch: &Arc<BatchConfirms>) {
+        let mut tally = batch.tally();
+        tally.sending_done = true;
+        if tally.resolved == tally.published {
+            wait_for_channel(&self.ledger, batch, &mut tally);
         }
-        drop(state);
+        drop(tally);
         batch.changed.notify_one();
     }
 }
 
-/// A batch whose own confirms are all settled waits for every message
-/// published on the channel until now to be settled.
-fn wait_for_channel(ledger: &Mutex<Ledger>, batch: &Arc<Batch>, state: &mut BatchState) {
-    if state.waiting || state.done {
+/// A batch whose own confirms are all resolved waits for every message
+/// published on the channel until now to be resolved.
+fn wait_for_channel(ledger: &Mutex<Ledger>, batch: &Arc<BatchConfirms>, tally: &mut ConfirmTally) {
+    if tally.waiting || tally.done {
         return;
     }
     let mut ledger = lock(ledger);
-    if ledger.settled >= ledger.published {
-        ledger.finish(batch, state);
+    if ledger.resolved >= ledger.published {
+        ledger.finish(batch, tally);
     } else {
-        state.waiting = true;
+        tally.waiting = true;
         let until = ledger.published;
         ledger.waiting.push((until, batch.clone()));
     }
 }
 
-/// Settles the confirms of one channel, in publish order.
+/// Resolves the confirms of one channel, in publish order.
 struct Collector {
     queue: VecDeque<Published>,
-    /// The sequence number of the next message to settle.
+    /// The sequence number of the next message to resolve.
     next_seq: u64,
     ledger: Arc<Mutex<Ledger>>,
     broken: Arc<AtomicBool>,
-    session: Weak<Session>,
+    /// The session's: raised to have a silent or lost connection dropped.
+    alarm: Alarm,
     isolation: Arc<Isolation>,
     /// The connection's status: whether the broker blocks it.
     status: ConnectionStatus,
@@ -385,9 +397,9 @@ impl Collector {
                 step_end
             };
             let _ = tokio::time::timeout_at(deadline, &mut self.queue[target].confirm).await;
-            // Settle as far as has arrived, including messages published since.
+            // Resolve as far as has arrived, including messages published since.
             self.accept_all(&mut submissions);
-            self.settle_ready();
+            self.resolve_ready();
         }
     }
 
@@ -397,10 +409,10 @@ impl Collector {
         }
     }
 
-    /// Settles, in order, every confirm from the oldest that has arrived (or
+    /// Resolves, in order, every confirm from the oldest that has arrived (or
     /// whose deadline has passed), then tells the batches concerned.
-    fn settle_ready(&mut self) {
-        let mut touched: Vec<Arc<Batch>> = Vec::new();
+    fn resolve_ready(&mut self) {
+        let mut touched: Vec<Arc<BatchConfirms>> = Vec::new();
         let now = Instant::now();
         while let Some(oldest) = self.queue.front_mut() {
             let arrived = oldest.confirm.poll_now();
@@ -409,22 +421,22 @@ impl Collector {
             }
             let published = self.queue.pop_front().expect("checked above");
             self.next_seq = published.seq + 1;
-            self.settle(published, &mut touched);
+            self.resolve(published, &mut touched);
         }
 
-        // Batches whose own confirms are now all settled start waiting for the
+        // Batches whose own confirms are now all resolved start waiting for the
         // channel; those whose wait is over are done.
         for batch in &touched {
-            let mut state = batch.state();
-            if state.sending_done && state.settled == state.published {
-                wait_for_channel(&self.ledger, batch, &mut state);
+            let mut tally = batch.tally();
+            if tally.sending_done && tally.resolved == tally.published {
+                wait_for_channel(&self.ledger, batch, &mut tally);
             }
         }
-        let finished = lock(&self.ledger).settle_to(self.next_seq);
+        let finished = lock(&self.ledger).resolve_to(self.next_seq);
         for batch in finished {
-            let mut state = batch.state();
-            lock(&self.ledger).finish(&batch, &mut state);
-            drop(state);
+            let mut tally = batch.tally();
+            lock(&self.ledger).finish(&batch, &mut tally);
+            drop(tally);
             batch.changed.notify_one();
         }
         for batch in touched {
@@ -432,90 +444,52 @@ impl Collector {
         }
     }
 
-    fn settle(&mut self, mut published: Published, touched: &mut Vec<Arc<Batch>>) {
-        let outcome = published.confirm.take();
+    fn resolve(&mut self, mut published: Published, touched: &mut Vec<Arc<BatchConfirms>>) {
         let index = published.index;
         let mut returned = None;
-        let mut refusal = None;
         let mut reset = false;
-        match outcome {
-            None if self.status.blocked() => {
+        let refusal = match ConfirmOutcome::of(published.confirm.take()) {
+            ConfirmOutcome::Delivered => None,
+            ConfirmOutcome::Returned(message) => {
+                returned = Some(message);
+                None
+            }
+            ConfirmOutcome::Refused(refusal, message) => {
+                returned = message;
+                Some(refusal)
+            }
+            ConfirmOutcome::TimedOut if self.status.blocked() => {
                 // The broker blocks the connection: it is kept, and the row
                 // is not blamed. (The channel is retired all the same: the
                 // confirm may still come, after the unblock.)
-                refusal = Some(Refusal::shared(
+                Some(Refusal::shared(
                     FailureReason::Timeout,
-                    format!("no confirm from the broker in time: {}", super::BLOCKED),
-                ));
+                    format!("no confirm from the broker in time: {BLOCKED}"),
+                ))
             }
-            None => {
+            ConfirmOutcome::TimedOut => {
                 reset = true;
-                refusal = Some(self.not_the_rows(
+                Some(self.not_the_rows(
                     FailureReason::Timeout,
                     "no confirm from the broker in time".into(),
-                ));
+                ))
             }
-            Some(Ok(Confirmation::Ack(message))) => returned = message,
-            Some(Ok(Confirmation::Nack(message))) => {
-                returned = message;
-                refusal = Some(Refusal::new(
-                    FailureReason::Nack,
-                    "the broker nacked the message",
-                ));
+            ConfirmOutcome::Failed(error) => {
+                reset = !self.status.connected();
+                Some(self.judge_failure(&error, published.row_id))
             }
-            Some(Ok(Confirmation::NotRequested)) => {
-                refusal = Some(Refusal::shared(
-                    FailureReason::Other,
-                    "the channel is not in confirm mode",
-                ));
-            }
-            Some(Err(error)) => {
-                reset = !self
-                    .session
-                    .upgrade()
-                    .is_some_and(|s| s.connection.status().connected());
-                refusal = Some(match self.isolation.judge(&error) {
-                    Verdict::Refused(_, detail) => {
-                        // Which message the broker refused is not known:
-                        // every one in flight goes alone next (`isolation`).
-                        self.isolation.suspect(published.row_id);
-                        self.tell_closed(|| {
-                            tracing::warn!(
-                                error = %detail,
-                                "the broker closed the shared channel over a message; \
-                                 the rows in flight are sent again one at a time to find it"
-                            );
-                        });
-                        Refusal::shared(
-                            FailureReason::Connection,
-                            format!(
-                                "the broker closed the shared channel ({detail}) while this \
-                                 row was in flight; the rows in flight go again one at a time"
-                            ),
-                        )
-                    }
-                    Verdict::Configuration(detail) => {
-                        let isolation = self.isolation.clone();
-                        self.tell_closed(|| isolation.log_configuration_problem(&detail));
-                        self.isolation.configuration_problem(&detail)
-                    }
-                    Verdict::Connection(detail) => {
-                        self.not_the_rows(FailureReason::Connection, detail)
-                    }
-                });
-            }
-        }
+        };
         // Anything but an ack or a nack leaves the channel in doubt.
         let failed = refusal
             .as_ref()
             .is_some_and(|r| r.reason != FailureReason::Nack);
         {
-            let mut state = published.batch.state();
-            state.settled += 1;
+            let mut tally = published.batch.tally();
+            tally.resolved += 1;
             match refusal {
-                Some(refusal) => state.report.refuse(index, refusal),
+                Some(refusal) => tally.report.refuse(index, refusal),
                 None if returned_id_is(&returned, published.row_id) => {}
-                None => state.confirmed[index] = Some(SystemTime::now()),
+                None => tally.confirmed[index] = Some(SystemTime::now()),
             }
         }
         if failed {
@@ -523,13 +497,44 @@ impl Collector {
         }
         if reset {
             // A silent or lost connection: drop it; the supervisor reconnects.
-            if let Some(session) = self.session.upgrade() {
-                session.broke();
-            }
+            self.alarm.raise();
         }
         add_touched(touched, &published.batch);
         if let Some(message) = returned {
             self.route_return(message, &published, touched);
+        }
+    }
+
+    /// The refusal of row `row_id`, in flight on the channel when it failed
+    /// with `error`: the broker's reason is judged (see `isolation`), and
+    /// logged once per channel.
+    fn judge_failure(&mut self, error: &lapin::Error, row_id: i64) -> Refusal {
+        match self.isolation.judge(error) {
+            Verdict::Refused(_, detail) => {
+                // Which message the broker refused is not known:
+                // every one in flight goes alone next (`isolation`).
+                self.isolation.suspect(row_id);
+                self.tell_closed(|| {
+                    tracing::warn!(
+                        error = %detail,
+                        "the broker closed the shared channel over a message; \
+                         the rows in flight are sent again one at a time to find it"
+                    );
+                });
+                Refusal::shared(
+                    FailureReason::Connection,
+                    format!(
+                        "the broker closed the shared channel ({detail}) while this \
+                         row was in flight; the rows in flight go again one at a time"
+                    ),
+                )
+            }
+            Verdict::Configuration(detail) => {
+                let isolation = self.isolation.clone();
+                self.tell_closed(|| isolation.log_configuration_problem(&detail));
+                self.isolation.configuration_problem(&detail)
+            }
+            Verdict::Connection(detail) => self.not_the_rows(FailureReason::Connection, detail),
         }
     }
 
@@ -558,9 +563,8 @@ impl Collector {
         &self,
         message: BasicReturnMessage,
         carrier: &Published,
-        touched: &mut Vec<Arc<Batch>>,
+        touched: &mut Vec<Arc<BatchConfirms>>,
     ) {
-        let detail = returned_detail(&message);
         let owner = match returned_id(&message) {
             Some(id) if id == carrier.row_id => Some((carrier.batch.clone(), carrier.index)),
             Some(id) => owner_of(&self.ledger, id),
@@ -569,12 +573,10 @@ impl Collector {
         };
         match owner {
             Some((batch, index)) => {
-                let mut state = batch.state();
-                state.confirmed[index] = None;
-                state
-                    .report
-                    .refuse(index, Refusal::new(FailureReason::Unroutable, detail));
-                drop(state);
+                let mut tally = batch.tally();
+                tally.confirmed[index] = None;
+                tally.report.refuse(index, outcome::unroutable(&message));
+                drop(tally);
                 add_touched(touched, &batch);
             }
             None => tracing::error!(
@@ -583,16 +585,6 @@ impl Collector {
             ),
         }
     }
-}
-
-/// Why a returned message did not go out, as its row's `last_error` says.
-pub(super) fn returned_detail(message: &BasicReturnMessage) -> String {
-    format!(
-        "returned by the broker: {} {} (no queue bound for routing key {:?})",
-        message.reply_code,
-        message.reply_text,
-        message.delivery.routing_key.as_str()
-    )
 }
 
 fn returned_id(message: &BasicReturnMessage) -> Option<i64> {
@@ -611,7 +603,7 @@ fn returned_id_is(message: &Option<BasicReturnMessage>, row_id: i64) -> bool {
         .is_some_and(|m| returned_id(m) == Some(row_id))
 }
 
-fn add_touched(touched: &mut Vec<Arc<Batch>>, batch: &Arc<Batch>) {
+fn add_touched(touched: &mut Vec<Arc<BatchConfirms>>, batch: &Arc<BatchConfirms>) {
     if !touched.iter().any(|b| Arc::ptr_eq(b, batch)) {
         touched.push(batch.clone());
     }
@@ -626,20 +618,20 @@ const COLLECTOR_CHECK: Duration = Duration::from_secs(1);
 mod tests {
     use super::*;
 
-    fn settle_own(ledger: &Mutex<Ledger>, batch: &Arc<Batch>, published: usize) {
-        let mut state = batch.state();
-        state.published = published;
-        state.settled = published;
-        state.sending_done = true;
-        wait_for_channel(ledger, batch, &mut state);
+    fn resolve_own(ledger: &Mutex<Ledger>, batch: &Arc<BatchConfirms>, published: usize) {
+        let mut tally = batch.tally();
+        tally.published = published;
+        tally.resolved = published;
+        tally.sending_done = true;
+        wait_for_channel(ledger, batch, &mut tally);
     }
 
     /// Records row `id` as the next one `batch` published.
-    fn publish_row(ledger: &Mutex<Ledger>, batch: &Arc<Batch>, id: i64) {
+    fn publish_row(ledger: &Mutex<Ledger>, batch: &Arc<BatchConfirms>, id: i64) {
         let first = {
-            let mut state = batch.state();
-            state.ids.push(id);
-            state.ids.len() == 1
+            let mut tally = batch.tally();
+            tally.ids.push(id);
+            tally.ids.len() == 1
         };
         if first {
             lock(ledger).open.push(batch.clone());
@@ -647,28 +639,28 @@ mod tests {
     }
 
     fn finish_all(ledger: &Mutex<Ledger>, seq: u64) {
-        let finished = lock(ledger).settle_to(seq);
+        let finished = lock(ledger).resolve_to(seq);
         for batch in finished {
-            let mut state = batch.state();
-            lock(ledger).finish(&batch, &mut state);
+            let mut tally = batch.tally();
+            lock(ledger).finish(&batch, &mut tally);
         }
     }
 
     #[test]
-    fn a_batch_is_done_once_everything_published_before_it_settled() {
+    fn a_batch_is_done_once_everything_published_before_it_resolved() {
         let ledger = Mutex::new(Ledger::default());
         lock(&ledger).published = 10;
-        lock(&ledger).settle_to(4);
-        // Its own confirms are all settled, but messages 4..10 (other
+        lock(&ledger).resolve_to(4);
+        // Its own confirms are all resolved, but messages 4..10 (other
         // batches') may still carry one of its returns.
-        let batch = Batch::new(3);
-        settle_own(&ledger, &batch, 3);
-        assert!(!batch.state().done);
+        let batch = BatchConfirms::new(3);
+        resolve_own(&ledger, &batch, 3);
+        assert!(!batch.tally().done);
         // Published after it finished: not waited for.
         lock(&ledger).published = 15;
-        assert!(lock(&ledger).settle_to(9).is_empty());
-        assert!(!batch.state().done);
-        let finished = lock(&ledger).settle_to(10);
+        assert!(lock(&ledger).resolve_to(9).is_empty());
+        assert!(!batch.tally().done);
+        let finished = lock(&ledger).resolve_to(10);
         assert_eq!(finished.len(), 1);
         assert!(Arc::ptr_eq(&finished[0], &batch));
         assert!(lock(&ledger).waiting.is_empty());
@@ -678,46 +670,46 @@ mod tests {
     fn a_batch_is_done_at_once_when_nothing_else_is_in_flight() {
         let ledger = Mutex::new(Ledger::default());
         lock(&ledger).published = 5;
-        lock(&ledger).settle_to(5);
-        let batch = Batch::new(5);
-        settle_own(&ledger, &batch, 5);
-        assert!(batch.state().done);
+        lock(&ledger).resolve_to(5);
+        let batch = BatchConfirms::new(5);
+        resolve_own(&ledger, &batch, 5);
+        assert!(batch.tally().done);
         assert!(lock(&ledger).waiting.is_empty());
     }
 
     #[test]
     fn returns_can_name_a_batch_only_until_it_is_done() {
         let ledger = Mutex::new(Ledger::default());
-        let first = Batch::new(2);
+        let first = BatchConfirms::new(2);
         publish_row(&ledger, &first, 10);
         publish_row(&ledger, &first, 11);
-        let second = Batch::new(1);
+        let second = BatchConfirms::new(1);
         publish_row(&ledger, &second, 20);
         lock(&ledger).published = 3;
-        settle_own(&ledger, &first, 2);
+        resolve_own(&ledger, &first, 2);
         assert!(owner_of(&ledger, 10).is_some(), "not done: still named");
         assert_eq!(owner_of(&ledger, 11).map(|(_, index)| index), Some(1));
         finish_all(&ledger, 3);
-        assert!(first.state().done);
+        assert!(first.tally().done);
         assert!(owner_of(&ledger, 10).is_none());
         assert!(owner_of(&ledger, 11).is_none());
         // Done at once (nothing else in flight): forgotten just the same.
-        settle_own(&ledger, &second, 1);
-        assert!(second.state().done);
+        resolve_own(&ledger, &second, 1);
+        assert!(second.tally().done);
         assert!(lock(&ledger).open.is_empty());
     }
 
     #[test]
     fn a_row_sent_again_stays_named_for_its_new_batch() {
         let ledger = Mutex::new(Ledger::default());
-        let abandoned = Batch::new(1);
+        let abandoned = BatchConfirms::new(1);
         publish_row(&ledger, &abandoned, 7);
-        let again = Batch::new(1);
+        let again = BatchConfirms::new(1);
         publish_row(&ledger, &again, 7);
         lock(&ledger).published = 2;
-        settle_own(&ledger, &abandoned, 1);
+        resolve_own(&ledger, &abandoned, 1);
         finish_all(&ledger, 2);
-        assert!(abandoned.state().done);
+        assert!(abandoned.tally().done);
         let named = owner_of(&ledger, 7).map(|(b, _)| b);
         assert!(named.is_some_and(|b| Arc::ptr_eq(&b, &again)));
     }
@@ -726,10 +718,10 @@ mod tests {
     fn a_batch_waits_once_however_often_it_is_checked() {
         let ledger = Mutex::new(Ledger::default());
         lock(&ledger).published = 8;
-        let batch = Batch::new(2);
-        settle_own(&ledger, &batch, 2);
-        settle_own(&ledger, &batch, 2);
+        let batch = BatchConfirms::new(2);
+        resolve_own(&ledger, &batch, 2);
+        resolve_own(&ledger, &batch, 2);
         assert_eq!(lock(&ledger).waiting.len(), 1);
-        assert_eq!(lock(&ledger).settle_to(8).len(), 1);
+        assert_eq!(lock(&ledger).resolve_to(8).len(), 1);
     }
 }

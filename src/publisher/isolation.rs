@@ -35,9 +35,9 @@ use std::time::{Duration, SystemTime};
 use lapin::options::BasicPublishOptions;
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
 use lapin::types::ShortString;
-use lapin::{Channel, Confirmation, ErrorKind};
+use lapin::{Channel, ErrorKind};
 
-use super::confirms::returned_detail;
+use super::outcome::{self, ConfirmOutcome};
 use crate::domain::{FailureReason, OutboxRow, Refusal};
 use crate::envelope::Message;
 
@@ -239,25 +239,18 @@ pub(super) async fn send_alone(
             .await
     })
     .await;
-    let refusal = match confirm {
-        Ok(Ok(Confirmation::Ack(None))) => {
+    let refusal = match ConfirmOutcome::of(confirm.ok()) {
+        ConfirmOutcome::Delivered => {
             isolation.cleared(row);
             return Ok(SystemTime::now());
         }
-        Err(_) => Refusal::new(
+        ConfirmOutcome::TimedOut => Refusal::new(
             FailureReason::Timeout,
             "no confirm from the broker in time (sent alone)",
         ),
-        Ok(Ok(Confirmation::Ack(Some(returned)))) => {
-            Refusal::new(FailureReason::Unroutable, returned_detail(&returned))
-        }
-        Ok(Ok(Confirmation::Nack(_))) => {
-            Refusal::new(FailureReason::Nack, "the broker nacked the message")
-        }
-        Ok(Ok(Confirmation::NotRequested)) => {
-            Refusal::shared(FailureReason::Other, "the channel is not in confirm mode")
-        }
-        Ok(Err(error)) => match isolation.judge(&error) {
+        ConfirmOutcome::Returned(returned) => outcome::unroutable(&returned),
+        ConfirmOutcome::Refused(refusal, _) => refusal,
+        ConfirmOutcome::Failed(error) => match isolation.judge(&error) {
             Verdict::Refused(reason, detail) => {
                 Refusal::new(reason, format!("refused by the broker: {detail}"))
             }

@@ -1,0 +1,96 @@
+//! Connections made on request: a command of its own (`tail`, `replay`)
+//! opens one with a channel, and the relay's session opens its own through
+//! [`open_connection`], over TLS with the relay's client configuration for
+//! `amqps://`.
+
+use lapin::tcp::{AMQPUriTcpExt, RustlsConnector, TLSConfig};
+use lapin::uri::{AMQPScheme, AMQPUri};
+use lapin::{Channel, Connection, ConnectionProperties};
+
+use crate::config::{AmqpEndpoint, AmqpTarget};
+
+/// Why a command's own connection and channel (`tail`, `replay`) could not
+/// be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("cannot reach the broker at {url}: {source}")]
+    Connect {
+        /// Redacted: never the password.
+        url: String,
+        #[source]
+        source: lapin::Error,
+    },
+    #[error("the broker refused a channel: {0}")]
+    Channel(#[source] lapin::Error),
+}
+
+/// A connection named `name` to the first of `target`'s endpoints that takes
+/// one, and a channel on it: what a command of its own (`tail`, `replay`)
+/// publishes or consumes on.
+pub async fn open_channel(
+    target: &AmqpTarget,
+    name: &str,
+) -> Result<(Connection, Channel), OpenError> {
+    let connection = open_first(target, name)
+        .await
+        .map_err(|source| OpenError::Connect {
+            url: target.to_string(),
+            source,
+        })?;
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(OpenError::Channel)?;
+    Ok((connection, channel))
+}
+
+/// A connection to the first of `target`'s endpoints that takes one, tried
+/// in order; the last endpoint's error if none does.
+pub async fn open_first(target: &AmqpTarget, name: &str) -> Result<Connection, lapin::Error> {
+    let mut endpoints = target.endpoints.iter();
+    let mut last = endpoints.next().expect("a target has an endpoint");
+    for next in endpoints {
+        match open_connection(last, name).await {
+            Ok(connection) => return Ok(connection),
+            Err(error) => {
+                tracing::debug!(endpoint = %last.address(), %error, "cannot connect; trying the next endpoint");
+            }
+        }
+        last = next;
+    }
+    open_connection(last, name).await
+}
+
+/// A connection to `target` named `name` (as the broker's management shows
+/// it), over TLS with the relay's own client configuration for `amqps://`.
+pub async fn open_connection(
+    target: &AmqpEndpoint,
+    name: &str,
+) -> Result<Connection, lapin::Error> {
+    let properties = ConnectionProperties::default().with_connection_name(name.into());
+    match target.tls.clone() {
+        None => Connection::connect_uri(target.uri.clone(), properties).await,
+        Some(tls) => {
+            let connector = RustlsConnector::from(tls.config);
+            let server_name = tls.server_name;
+            Connection::connector(
+                target.uri.clone(),
+                lapin::runtime::default_runtime()?,
+                // The TCP connection as for `amqp://`, then the TLS handshake
+                // with the relay's own client configuration (the CA file's
+                // roots only, the client certificate, the checked name)
+                // instead of the AMQP client's, which only adds to the
+                // system's roots.
+                async move |mut uri: AMQPUri, runtime| {
+                    uri.scheme = AMQPScheme::AMQP;
+                    let plain = uri
+                        .connect_with_config_async(TLSConfig::default(), &runtime)
+                        .await?;
+                    Ok(plain.into_rustls(&connector, &server_name).await?)
+                },
+                properties,
+            )
+            .await
+        }
+    }
+}
