@@ -6,6 +6,7 @@ mod cli;
 mod delivery;
 mod deploy;
 mod discovery;
+mod docs;
 mod drift;
 mod endpoints;
 mod failover;
