@@ -99,7 +99,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Waker};
 use std::time::{Duration, Instant, SystemTime};
@@ -107,23 +107,30 @@ use std::time::{Duration, Instant, SystemTime};
 use futures_util::StreamExt;
 use futures_util::future::{MaybeDone, maybe_done};
 use lapin::options::{
-    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
-    ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{
-    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
-};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 use outbox_relay::config::Config;
 use outbox_relay::domain::BatchReport;
 use outbox_relay::store::Store;
 use serde_json::json;
-use tokio_postgres::NoTls;
+
+/// The integration tests' harness: names, connections, the outbox table,
+/// declaring an exchange and queue, probing endpoints, and the cleanup of
+/// schemas and exchanges when they go out of scope.
+#[path = "../tests/relay/support/mod.rs"]
+#[allow(dead_code, unused_imports)]
+mod support;
+
+use support::broker::{bind, declare};
+use support::db::pg_client_to;
+use support::fixture::delete_on_broker;
+use support::{AMQP_URL, Outbox, http_get, unique};
 
 const ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 const BENCH_DB: &str = "outbox_bench";
 const DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/outbox_bench";
-const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
 fn env_num(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -225,27 +232,16 @@ impl Shape {
     }
 }
 
-fn unique(prefix: &str) -> String {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    format!(
-        "{prefix}_{}_{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    )
-}
+/// A schema with the relay's table, in the bench database (dropped when
+/// the table goes out of scope), and the bench's own fills and counts.
+struct Table(Outbox);
 
-async fn pg(url: &str) -> tokio_postgres::Client {
-    let (client, connection) = tokio_postgres::connect(url, NoTls)
-        .await
-        .expect("PostgreSQL is reachable");
-    tokio::spawn(connection);
-    client
-}
+impl std::ops::Deref for Table {
+    type Target = Outbox;
 
-/// A schema with the relay's table, in the bench database.
-struct Table {
-    schema: String,
-    client: tokio_postgres::Client,
+    fn deref(&self) -> &Outbox {
+        &self.0
+    }
 }
 
 /// The relay binary the benchmark runs: this build's, or BENCH_RELAY_BIN
@@ -258,10 +254,10 @@ fn relay_binary() -> String {
 
 impl Table {
     async fn create() -> Table {
-        let schema = unique("b");
         if let Ok(binary) = std::env::var("BENCH_RELAY_BIN") {
             // That build's own migrations, so its statements meet the
             // indexes they were written for.
+            let schema = unique("b");
             let status = Command::new(binary)
                 .arg("migrate")
                 .env("OUTBOX_TENANTS", "bench")
@@ -273,26 +269,20 @@ impl Table {
                 .status()
                 .expect("the relay binary runs");
             assert!(status.success(), "migrate with BENCH_RELAY_BIN");
-            return Table {
-                schema,
-                client: pg(DATABASE_URL).await,
-            };
+            return Table::adopt(schema).await;
         }
-        let mut config = Config::with_tenants(["bench"]);
-        config.database_url = DATABASE_URL.parse().expect("database url");
-        config.schema = schema.clone();
-        let store = Store::new(&config).expect("store");
-        outbox_relay::migrate::run(&store, &config)
-            .await
-            .expect("migrate");
-        Table {
-            schema,
-            client: pg(DATABASE_URL).await,
-        }
+        Table(Outbox::create_in(DATABASE_URL, "b").await)
     }
 
-    fn qualified(&self) -> String {
-        format!("\"{}\".outbox_message", self.schema)
+    /// The table in `schema`, made by the caller.
+    async fn adopt(schema: String) -> Table {
+        let client = pg_client_to(DATABASE_URL).await;
+        Table(Outbox::adopt_in(
+            DATABASE_URL,
+            schema,
+            "outbox_message".into(),
+            client,
+        ))
     }
 
     /// `rows` rows spread round-robin over `tenants`, payloads of `size` bytes.
@@ -319,10 +309,6 @@ impl Table {
             .expect("analyze");
     }
 
-    async fn pending(&self) -> i64 {
-        self.count("published_at IS NULL").await
-    }
-
     /// Rows refused at least once (e.g. `too_large`), still pending.
     async fn refused(&self) -> i64 {
         self.count("published_at IS NULL AND attempts > 0").await
@@ -338,13 +324,6 @@ impl Table {
             .await
             .expect("count")
             .get(0)
-    }
-
-    async fn drop(self) {
-        let _ = self
-            .client
-            .batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", self.schema))
-            .await;
     }
 }
 
@@ -418,9 +397,16 @@ const QUEUE_COUNT_EVERY: Duration = Duration::from_millis(10);
 struct Exchange {
     name: String,
     queue: String,
-    connection: Connection,
-    channel: Channel,
+    /// Held open for the consumer's channel.
+    _connection: Connection,
     arrivals: Arc<Mutex<Arrivals>>,
+}
+
+impl Drop for Exchange {
+    /// Deletes the queue and the exchange.
+    fn drop(&mut self) {
+        delete_on_broker(AMQP_URL, &self.name, vec![self.queue.clone()]);
+    }
 }
 
 impl Exchange {
@@ -450,39 +436,12 @@ impl Exchange {
             .await
             .expect("RabbitMQ is reachable");
         let channel = connection.create_channel().await.expect("channel");
-        channel
-            .exchange_declare(
-                name.as_str().into(),
-                ExchangeKind::Topic,
-                ExchangeDeclareOptions {
-                    durable: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .expect("exchange");
-        channel
-            .queue_declare(
-                queue.as_str().into(),
-                QueueDeclareOptions {
-                    durable: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .expect("queue");
-        channel
-            .queue_bind(
-                queue.as_str().into(),
-                name.as_str().into(),
-                "#".into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .expect("bind");
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        declare(&channel, &name, &queue, durable).await;
+        bind(&channel, &queue, &name, "#").await;
         let arrivals = Arc::new(Mutex::new(Arrivals::default()));
         if setting == Setting::Growing {
             let counting = connection.create_channel().await.expect("channel");
@@ -490,8 +449,7 @@ impl Exchange {
             return Exchange {
                 name,
                 queue,
-                connection,
-                channel,
+                _connection: connection,
                 arrivals,
             };
         }
@@ -550,8 +508,7 @@ impl Exchange {
         Exchange {
             name,
             queue,
-            connection,
-            channel,
+            _connection: connection,
             arrivals,
         }
     }
@@ -588,18 +545,6 @@ impl Exchange {
             }
             _ => 0.0,
         }
-    }
-
-    async fn delete(self) {
-        let _ = self
-            .channel
-            .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
-            .await;
-        let _ = self
-            .channel
-            .exchange_delete(self.name.as_str().into(), ExchangeDeleteOptions::default())
-            .await;
-        let _ = self.connection.close(200, "done".into()).await;
     }
 }
 
@@ -643,15 +588,7 @@ async fn count_queue(channel: Channel, queue: String, arrivals: Arc<Mutex<Arriva
 
 /// Sweeps by outcome, summed over tenants, from a relay's `/metrics`.
 async fn sweep_counts(addr: &str) -> Vec<(String, f64)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
-        return Vec::new();
-    };
-    let _ = stream
-        .write_all(b"GET /metrics HTTP/1.0\r\nHost: relay\r\n\r\n")
-        .await;
-    let mut text = String::new();
-    let _ = stream.read_to_string(&mut text).await;
+    let (_, text) = http_get(addr.parse().expect("a relay's address"), "/metrics").await;
     text.lines()
         .filter(|l| l.starts_with("outbox_sweeps_total{"))
         .filter_map(|l| {
@@ -992,7 +929,6 @@ async fn broker_ceiling(rows: u64, size: usize, window: usize, setting: Setting)
         );
     }
     let _ = connection.close(200, "done".into()).await;
-    exchange.delete().await;
     run
 }
 
@@ -1028,9 +964,7 @@ async fn database_ceiling(rows: u64, size: usize, batch_size: u64) -> f64 {
             .await
             .expect("settle");
     }
-    let rate = done as f64 / started.elapsed().as_secs_f64();
-    table.drop().await;
-    rate
+    done as f64 / started.elapsed().as_secs_f64()
 }
 
 /// A measured run: consumer-side rate, and the whole machine's CPU time per message.
@@ -1106,9 +1040,7 @@ async fn drain(rows: u64, size: usize, shape: Shape) -> Run {
     for p in processes {
         p.stop();
     }
-    assert_eq!(table.pending().await, 0, "drain: every row marked");
-    exchange.delete().await;
-    table.drop().await;
+    assert_eq!(table.all_pending().await, 0, "drain: every row marked");
     Run {
         rate,
         cpu_us: machine_cpu,
@@ -1127,7 +1059,7 @@ async fn from_launch(rows: u64, tenant_count: usize) -> f64 {
     let started = Instant::now();
     let relay = RelayProcess::spawn(&table, &exchange, &names);
     let deadline = started + Duration::from_secs(600);
-    while table.pending().await > 0 {
+    while table.all_pending().await > 0 {
         assert!(Instant::now() < deadline, "launch: rows still pending");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
@@ -1140,8 +1072,6 @@ async fn from_launch(rows: u64, tenant_count: usize) -> f64 {
         "launch: {} of {rows} arrived",
         exchange.count()
     );
-    exchange.delete().await;
-    table.drop().await;
     took
 }
 
@@ -1157,7 +1087,7 @@ async fn steady(rate: u64, duration: Duration, settings: &[(&str, String)]) -> V
     let relay = RelayProcess::spawn_with(&table, &exchange, &names, "127.0.0.1:0", settings);
     tokio::time::sleep(Duration::from_millis(500)).await; // let the relay connect before the clock starts
     let writers: Vec<tokio_postgres::Client> =
-        futures_util::future::join_all((0..4).map(|_| pg(DATABASE_URL))).await;
+        futures_util::future::join_all((0..4).map(|_| pg_client_to(DATABASE_URL))).await;
     let insert = format!(
         "INSERT INTO {} (tenant_id, kind, subject_id, payload) VALUES ($1, 'thing.changed', 's', $2) RETURNING id",
         table.qualified()
@@ -1194,10 +1124,7 @@ async fn steady(rate: u64, duration: Duration, settings: &[(&str, String)]) -> V
         "steady: not all arrived"
     );
     relay.stop();
-    let delays = exchange.delays(&committed);
-    exchange.delete().await;
-    table.drop().await;
-    delays
+    exchange.delays(&committed)
 }
 
 /// The table's size with its indexes and TOAST, bytes.
@@ -1272,8 +1199,6 @@ async fn retention_sizes(rate: u64, duration: Duration, retention_ms: u64) -> Ve
         tick += 1;
     }
     relay.stop();
-    exchange.delete().await;
-    table.drop().await;
     sizes
 }
 
@@ -1319,8 +1244,6 @@ async fn retention_drain(rows: u64, retention: bool) -> f64 {
         );
     }
     relay.stop();
-    exchange.delete().await;
-    table.drop().await;
     rate
 }
 
@@ -1333,7 +1256,7 @@ async fn idle(duration: Duration, poll_ms: u64) -> (f64, f64, f64) {
     let table = Table::create().await;
     let exchange = Exchange::create(false).await;
     let names = tenants(1_000);
-    let admin = pg(ADMIN_URL).await;
+    let admin = pg_client_to(ADMIN_URL).await;
     let xacts = || async {
         let _ = admin.batch_execute("SELECT pg_stat_clear_snapshot()").await;
         let row = admin
@@ -1364,8 +1287,6 @@ async fn idle(duration: Duration, poll_ms: u64) -> (f64, f64, f64) {
     let (short_tx, short_ran, short_cpu, _) = run(Duration::from_secs(2)).await;
     let (long_tx, long_ran, long_cpu, rss) = run(Duration::from_secs(2) + duration).await;
     let polls = (long_ran - short_ran).as_millis() as f64 / poll_ms as f64;
-    exchange.delete().await;
-    table.drop().await;
     ((long_tx - short_tx) / polls, long_cpu - short_cpu, rss)
 }
 
@@ -1446,7 +1367,7 @@ async fn producers(setup: Producers, duration: Duration) -> f64 {
             .expect("drop the trigger");
     }
     // A relay's LISTEN: NOTIFY's cost at commit is paid with a listener.
-    let listener = pg(DATABASE_URL).await;
+    let listener = pg_client_to(DATABASE_URL).await;
     let channel = outbox_relay::migrate::wakeup_channel(&table.schema, "outbox_message");
     listener
         .batch_execute(&format!("LISTEN \"{channel}\""))
@@ -1462,7 +1383,7 @@ async fn producers(setup: Producers, duration: Duration) -> f64 {
     let writers = (0..WRITERS).map(|w| {
         let insert = insert.clone();
         async move {
-            let client = pg(DATABASE_URL).await;
+            let client = pg_client_to(DATABASE_URL).await;
             if matches!(setup, Producers::TriggerQuiet) {
                 client
                     .batch_execute("SET outbox_relay.notify = off")
@@ -1491,7 +1412,6 @@ async fn producers(setup: Producers, duration: Duration) -> f64 {
         .sum();
     let rate = rows as f64 / started.elapsed().as_secs_f64();
     drop(listener);
-    table.drop().await;
     rate
 }
 
@@ -1519,7 +1439,7 @@ async fn hot_tenant(writers: usize, held: Duration, duration: Duration, poll_ms:
     let tasks = (0..writers).map(|_| {
         let insert = insert.clone();
         async move {
-            let client = pg(DATABASE_URL).await;
+            let client = pg_client_to(DATABASE_URL).await;
             let statement = client.prepare(&insert).await.expect("prepare");
             let payload = "x".repeat(256);
             let mut committed = Vec::new();
@@ -1547,10 +1467,7 @@ async fn hot_tenant(writers: usize, held: Duration, duration: Duration, poll_ms:
         .await;
     assert!(arrived, "hot tenant: not every row arrived");
     relay.stop();
-    let delays = exchange.delays(&committed);
-    exchange.delete().await;
-    table.drop().await;
-    delays
+    exchange.delays(&committed)
 }
 
 /// Lone transactions on a quiet table: `n` times, after 300 ms of quiet (the
@@ -1568,7 +1485,7 @@ async fn lone_transactions(n: usize) -> Vec<f64> {
         "127.0.0.1:0",
         &[("OUTBOX_POLL_MS", "1000".to_string())],
     );
-    let client = pg(DATABASE_URL).await;
+    let client = pg_client_to(DATABASE_URL).await;
     let insert = format!(
         "INSERT INTO {} (tenant_id, kind, subject_id, payload) VALUES ('lone', 'thing.changed', 's', '{{}}') RETURNING id",
         table.qualified()
@@ -1589,8 +1506,6 @@ async fn lone_transactions(n: usize) -> Vec<f64> {
         delays.push(arrived.saturating_duration_since(committed).as_secs_f64() * 1000.0);
     }
     relay.stop();
-    exchange.delete().await;
-    table.drop().await;
     delays
 }
 
@@ -1630,10 +1545,7 @@ async fn writer_cost(load: WriterLoad, relayed: bool, duration: Duration) -> (f6
         outbox_relay::migrate::apply(&store, &config, &outbox_relay::migrate::MIGRATIONS[..1])
             .await
             .expect("migrate 0001");
-        Table {
-            schema,
-            client: pg(DATABASE_URL).await,
-        }
+        Table::adopt(schema).await
     };
     let exchange = Exchange::create(false).await;
     let relay = RelayProcess::spawn(&table, &exchange, &["*".to_string()]);
@@ -1652,7 +1564,7 @@ async fn writer_cost(load: WriterLoad, relayed: bool, duration: Duration) -> (f6
     let tasks = (0..writers).map(|w: usize| {
         let insert = insert.clone();
         async move {
-            let client = pg(DATABASE_URL).await;
+            let client = pg_client_to(DATABASE_URL).await;
             let statement = client.prepare(&insert).await.expect("prepare");
             let payload = "x".repeat(256);
             let (mut rows, mut n) = (0u64, 0usize);
@@ -1692,8 +1604,6 @@ async fn writer_cost(load: WriterLoad, relayed: bool, duration: Duration) -> (f6
         );
     }
     relay.stop();
-    exchange.delete().await;
-    table.drop().await;
     (rate, pg_us)
 }
 
@@ -1766,8 +1676,6 @@ async fn memory_peak(tenant_count: usize, rows: u64, size: usize, headers: &str)
     }
     let peak = relay.peak_rss_mib();
     relay.stop();
-    exchange.delete().await;
-    table.drop().await;
     peak
 }
 
@@ -2057,9 +1965,7 @@ async fn scale_drain(rows: u64, relays: usize) -> ScaleRun {
     for p in processes {
         p.stop();
     }
-    assert_eq!(table.pending().await, 0, "scale: every row marked");
-    exchange.delete().await;
-    table.drop().await;
+    assert_eq!(table.all_pending().await, 0, "scale: every row marked");
     run
 }
 
@@ -2090,8 +1996,6 @@ async fn scale_memory() -> [f64; 4] {
     let _ = sweep_counts(&addr).await;
     let active_scraped = relay.peak_rss_mib();
     relay.stop();
-    exchange.delete().await;
-    table.drop().await;
     [idle, scraped, active, active_scraped]
 }
 
@@ -2137,7 +2041,7 @@ async fn scrape_beside_delivery(duration: Duration) -> (Vec<f64>, Vec<f64>, Vec<
             .await,
         "scrape: every tenant's row arrives"
     );
-    let writer = pg(DATABASE_URL).await;
+    let writer = pg_client_to(DATABASE_URL).await;
     let insert = writer
         .prepare(&format!(
             "INSERT INTO {} (tenant_id, kind, subject_id, payload) VALUES ('probe', 'thing.changed', 's', $1) RETURNING id",
@@ -2198,8 +2102,6 @@ async fn scrape_beside_delivery(duration: Duration) -> (Vec<f64>, Vec<f64>, Vec<
     );
     relay.stop();
     let (quiet, scraped) = (exchange.delays(&quiet), exchange.delays(&scraped));
-    exchange.delete().await;
-    table.drop().await;
     (took, quiet, scraped)
 }
 
@@ -2226,7 +2128,7 @@ async fn scale_trickle(duration: Duration, wakeup: &str) -> Vec<f64> {
         .collect();
     tokio::time::sleep(Duration::from_secs(1)).await;
     let writers: Vec<tokio_postgres::Client> =
-        futures_util::future::join_all((0..4).map(|_| pg(DATABASE_URL))).await;
+        futures_util::future::join_all((0..4).map(|_| pg_client_to(DATABASE_URL))).await;
     let writers = Arc::new(writers);
     let insert = format!(
         "INSERT INTO {} (tenant_id, kind, subject_id, payload) VALUES ($1, 'thing.changed', 's', $2)",
@@ -2263,10 +2165,7 @@ async fn scale_trickle(duration: Duration, wakeup: &str) -> Vec<f64> {
     for relay in relays {
         relay.stop();
     }
-    let delays = std::mem::take(&mut exchange.arrivals.lock().unwrap().delays_ms);
-    exchange.delete().await;
-    table.drop().await;
-    delays
+    std::mem::take(&mut exchange.arrivals.lock().unwrap().delays_ms)
 }
 
 /// The scale scenario (see the header): medians of `knobs.runs`. Two cores
@@ -2377,7 +2276,7 @@ async fn main() {
         return;
     }
     let knobs = Knobs::from_env();
-    let admin = pg(ADMIN_URL).await;
+    let admin = pg_client_to(ADMIN_URL).await;
     let exists = admin
         .query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&BENCH_DB])
         .await

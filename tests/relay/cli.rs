@@ -7,8 +7,8 @@ use std::net::TcpListener;
 use std::time::Duration;
 
 use crate::support::{
-    AMQP_URL, Broker, DATABASE_URL, Outbox, RelayProcess, by_tenant, config, eventually, pg_client,
-    relay_command, start_relay, unique,
+    AMQP_URL, Broker, DATABASE_URL, Outbox, OwnedSchema, RelayProcess, by_tenant, config,
+    eventually, pg_client, relay_command, start_relay, unique,
 };
 
 /// Listeners standing in for the database and the broker: a relay that
@@ -359,6 +359,7 @@ fn unknown_outbox_variables_are_ignored_and_check_config_redacts() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_creates_the_configured_table_idempotently() {
     let schema = unique("m");
+    let _owned = OwnedSchema::new(DATABASE_URL, &schema);
     for _ in 0..2 {
         let (code, _, stderr) = run(
             &[
@@ -385,10 +386,6 @@ async fn migrate_creates_the_configured_table_idempotently() {
         index.contains("(tenant_id, id) WHERE ((published_at IS NULL) AND (parked_at IS NULL))"),
         "{index}"
     );
-    client
-        .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
-        .await
-        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -471,8 +468,6 @@ async fn sigterm_during_a_batch_exits_0_and_loses_nothing() {
         .filter(|id| seen.insert(*id))
         .collect();
     assert_eq!(firsts, ids, "first occurrences in outbox order");
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -535,7 +530,6 @@ async fn status_shows_each_tenants_blocking_row_and_exits_1_when_lagging() {
     );
     assert_eq!(code, Some(1));
     assert!(stderr.contains("cannot read the outbox"), "{stderr}");
-    outbox.drop_schema().await;
 }
 
 #[test]
@@ -669,6 +663,4 @@ async fn tail_prints_each_message_the_relay_publishes() {
     assert_eq!(json.wait(Duration::from_secs(10)).await, Some(0));
     lines.signal("TERM");
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }

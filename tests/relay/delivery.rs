@@ -129,8 +129,6 @@ async fn rows_of_three_tenants_arrive_once_in_order_with_every_envelope_field() 
         assert_eq!(message.header("replay"), Some(&AMQPValue::Boolean(false)));
         assert_eq!(message.header("outbox-tombstone"), None);
     }
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -168,8 +166,6 @@ async fn a_full_batch_is_followed_at_once_by_the_next() {
     })
     .await;
     assert_eq!(by_tenant(&broker.received())["busy"], ids);
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// While a tenant is alone, a full batch's successor is read ahead and sent
@@ -231,8 +227,6 @@ async fn consecutive_full_batches_arrive_in_order_once_and_stop_at_a_refused_row
         Some(ids.len() as f64),
         "every row counted once:\n{metrics}"
     );
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -290,8 +284,6 @@ async fn two_relays_over_one_table_never_publish_a_row_twice() {
         published_by(&first_metrics) + published_by(&second_metrics),
         2000
     );
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -376,8 +368,6 @@ async fn healthz_turns_503_past_max_lag_and_200_once_published() {
     })
     .await;
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -455,8 +445,6 @@ async fn metrics_livez_and_readyz_answer() {
         assert!(metrics.contains(&format!("# TYPE {name} ")), "{name}");
     }
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -493,8 +481,6 @@ async fn an_unreachable_broker_is_not_fatal_and_not_ready() {
         "nothing claimed or marked while the broker is down"
     );
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// The plan of `sql` prepared (as the relay's statements are) and executed
@@ -622,5 +608,4 @@ async fn the_relays_reads_use_the_partial_index_whatever_the_costs() {
             );
         }
     }
-    outbox.drop_schema().await;
 }

@@ -95,8 +95,6 @@ async fn a_tenant_that_first_writes_mid_run_is_relayed_and_reported() {
     assert_eq!(lines[0]["pending"], 1);
 
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -141,8 +139,6 @@ async fn tenants_past_max_tenants_share_the_overflow_label_and_their_rows_go_out
         "the other three tenants' 9 rows are counted under {OVERFLOW}:\n{text}"
     );
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -174,7 +170,6 @@ async fn the_poll_reads_pending_tenants_a_page_at_a_time() {
     assert!(third.is_empty(), "{third:?}");
     let all = names(store.pending_tenants("", &Page::all()).await.unwrap());
     assert_eq!(all, ["", "a", "b", "d"]);
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -222,6 +217,4 @@ async fn more_pending_tenants_than_a_poll_reads_are_all_relayed() {
     )
     .await;
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }

@@ -162,8 +162,6 @@ async fn a_payload_altered_to_bytea_under_the_relay_stops_reading_with_one_error
     assert_eq!(blamed(&outbox).await, 0);
     process.signal("TERM");
     assert_eq!(process.wait(Duration::from_secs(20)).await, Some(0));
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// A column altered to a type of the application's own (here an enum): the
@@ -223,8 +221,6 @@ async fn a_payload_altered_to_a_type_of_the_applications_own_is_named_and_held()
     assert_eq!(lines_at(&process.output(), "ERROR").len(), 1);
     process.signal("TERM");
     assert_eq!(process.wait(Duration::from_secs(20)).await, Some(0));
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// A column dropped under the relay makes the read fail (SQLSTATE 42703):
@@ -279,8 +275,6 @@ async fn a_column_dropped_under_the_relay_is_named_once_and_reading_resumes_when
     assert_eq!(lines_at(&process.output(), "ERROR").len(), 1);
     process.signal("TERM");
     assert_eq!(process.wait(Duration::from_secs(20)).await, Some(0));
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// The `outbox-occurred-at` header and the `timestamp` property of `message`.
@@ -350,8 +344,6 @@ async fn occurred_at_and_payload_altered_to_timestamp_and_json_under_the_relay_k
     .await;
     assert_eq!(blamed(&outbox).await, 0);
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -376,11 +368,7 @@ async fn a_table_made_with_a_timestamp_occurred_at_and_a_jsonb_domain_payload_is
         ))
         .await
         .expect("a table with a timestamp occurred_at");
-    let outbox = Outbox {
-        schema,
-        table: "outbox_message".into(),
-        client,
-    };
+    let outbox = Outbox::adopt(schema, "outbox_message".into(), client);
     let broker = Broker::create(&["#"]).await;
     outbox
         .execute(
@@ -435,6 +423,4 @@ async fn a_table_made_with_a_timestamp_occurred_at_and_a_jsonb_domain_payload_is
     let (_, health) = http_get(relay.addr, "/healthz").await;
     assert!(health.contains("\"status\":\"ok\""), "{health}");
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }

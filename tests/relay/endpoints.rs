@@ -76,8 +76,6 @@ async fn a_dead_first_endpoint_is_passed_over() {
     assert!(said("cannot connect to the broker", &dead), "{log}");
     assert!(said("connected to the broker", BROKER), "{log}");
     assert!(!log.contains("cr3t"), "the password is shown:\n{log}");
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// The endpoint connected to dies while a backlog drains (proxy A, the list
@@ -159,8 +157,6 @@ async fn the_connected_endpoint_dying_mid_flow_moves_to_the_next() {
     );
     assert!([&a, &b][next].accepted() >= 1);
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// A bad endpoint in the list exits 2 naming the key, its source and the

@@ -186,8 +186,6 @@ async fn a_dead_or_silent_host_first_in_the_list_is_passed_over_in_both_forms() 
     for relay in relays {
         relay.stop().await;
     }
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// Without `target_session_attrs`, several hosts mean "a writable one": a
@@ -238,8 +236,6 @@ async fn several_hosts_without_target_session_attrs_pass_over_a_read_only_first_
         relay.stop().await;
     }
     read_only.set_writable(&admin, true).await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[test]
@@ -396,8 +392,6 @@ async fn after_a_failover_the_pool_and_the_listen_connection_move_to_the_new_pri
         .batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", outbox.schema))
         .await
         .expect("schema dropped");
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -471,8 +465,6 @@ async fn a_replica_cut_off_mid_sweep_loses_its_claim_to_another_within_the_bound
     relay_b.stop().await;
     drop(path);
     relay_a.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// The keepalive timer of the server's side of each established connection
@@ -558,6 +550,4 @@ async fn the_servers_side_of_every_relay_connection_has_short_keepalives() {
         assert!(seconds <= 15, "{timer}");
     }
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }

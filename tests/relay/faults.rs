@@ -99,8 +99,6 @@ async fn three_replicas_twenty_tenants_concurrent_writes() {
             process.output()
         );
     }
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// 2. `kill -9` of a replica mid-batch, again and again, while the others run.
@@ -151,8 +149,6 @@ async fn replicas_killed_mid_batch() {
         duplicates <= batch_size * kills,
         "D: {duplicates} duplicates after {kills} kills"
     );
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// 3. The broker connection is reset in the middle of a batch.
@@ -205,8 +201,6 @@ async fn broker_connection_reset_mid_batch() {
     assert!(health.contains("\"status\":\"ok\""), "{health}");
     assert!(proxy.accepted() >= 2, "the relay reconnected");
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// Asserts that every row marked published has reached the consumer.
@@ -291,8 +285,6 @@ async fn broker_path_stalls() {
     let duplicates = check_history(&outbox, &broker, &committed, Duration::from_secs(40)).await;
     assert!(duplicates <= 200, "D: {duplicates}");
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// 6. The broker is down when the relay starts.
@@ -330,8 +322,6 @@ async fn broker_down_at_start() {
         0
     );
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// 7. The PostgreSQL backend holding a tenant is terminated mid-batch; another replica takes it.
@@ -393,8 +383,6 @@ async fn claiming_backend_terminated() {
     assert!(failed >= 1.0, "H: the interrupted sweep failed");
     first.stop().await;
     second.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// 8. The database path stalls, then resets: sweeps fail by their deadline and the pool recovers.
@@ -446,8 +434,6 @@ async fn database_path_stalls_and_resets() {
     })
     .await;
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// 8b. The database path is cut for a while, then restored. Sweeps that met
@@ -537,8 +523,6 @@ async fn every_tenant_resumes_within_a_poll_after_a_database_outage() {
     assert!(duplicates <= bound, "D: {duplicates} > {bound}");
     println!("every tenant resumed {resumed:?} after the path returned");
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// 9. SIGTERM in the middle of a slow batch: exit 0 within the grace period.
@@ -591,8 +575,6 @@ async fn sigterm_during_a_slow_batch() {
     let duplicates = check_history(&outbox, &broker, &committed, Duration::from_secs(40)).await;
     assert!(duplicates <= 2_000, "D: {duplicates}");
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// 11. Two writers of one tenant commit out of id order: the second inserts
@@ -644,8 +626,6 @@ async fn rows_committed_out_of_id_order() {
         0
     );
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// 12. Pool pressure: 200 tenants, concurrency 4, the smallest pool allowed.
@@ -674,8 +654,6 @@ async fn pool_pressure_two_hundred_tenants() {
     );
     assert_eq!(metric(&metrics, "outbox_database_up"), Some(1.0));
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// 13. Bad rows: an empty-string tenant in the table and a payload over the
@@ -751,8 +729,6 @@ async fn bad_rows_are_refused_plainly() {
         || async { by_tenant(&broker.received()).get("fine") == committed.get("fine") },
     )
     .await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// 10. Unroutable rows for one tenant, an oversized payload for another: only
@@ -838,6 +814,4 @@ async fn refused_tenants_stop_alone_and_drain_once_fixed() {
         0
     );
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }

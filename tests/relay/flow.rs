@@ -348,8 +348,6 @@ async fn a_broker_alarm_keeps_the_connection_and_resends_at_most_a_batch_per_ten
     );
     relay.signal("TERM");
     assert_eq!(relay.wait(Duration::from_secs(20)).await, Some(0));
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// SIGTERM while the broker blocks: the sweep waiting for its confirms is
@@ -400,6 +398,4 @@ async fn sigterm_while_the_broker_blocks_stops_within_the_grace() {
     assert_eq!(outbox.blamed("flow_stop").await, 0);
     assert!(outbox.pending("flow_stop").await > 0);
     drop(alarm);
-    broker.delete().await;
-    outbox.drop_schema().await;
 }

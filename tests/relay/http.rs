@@ -103,8 +103,6 @@ async fn hundreds_of_half_sent_requests_neither_block_readyz_nor_delay_sigterm()
     );
     assert!(output.contains("outbox-relay stopped"), "{output}");
     drop(held);
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test]
@@ -191,8 +189,6 @@ async fn at_the_cap_the_connection_idle_longest_makes_way_and_fds_stay_bounded()
         output.contains("HTTP connection cap reached"),
         "the flood is logged:\n{output}"
     );
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// Holds `n` idle connections to `addr` (connected, nothing sent; opened
@@ -294,8 +290,6 @@ async fn probes_answer_within_1s_while_one_peer_floods_past_the_cap() {
     let output = relay.output();
     let warnings = output.matches("HTTP connection cap reached").count();
     assert_eq!(warnings, 1, "the flood is logged once a minute:\n{output}");
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// `GET /metrics` as Prometheus asks for it (`Accept-Encoding: gzip`):
@@ -400,8 +394,6 @@ async fn a_scrape_of_many_tenants_is_right_and_fresh() {
     )
     .await;
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test]
@@ -504,8 +496,6 @@ async fn concurrent_healthz_callers_share_one_lag_query() {
     )
     .await;
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[test]
@@ -612,6 +602,4 @@ async fn healthz_answers_within_2_s_whatever_the_database_does() {
     )
     .await;
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }

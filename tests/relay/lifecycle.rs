@@ -11,7 +11,8 @@ use serde_json::json;
 
 use crate::proxy::{Mode, Proxy};
 use crate::support::{
-    Broker, Outbox, by_tenant, config, eventually, metric, relay_command, relay_env, start_relay,
+    Broker, Outbox, OwnedSchema, by_tenant, config, eventually, metric, relay_command, relay_env,
+    start_relay,
 };
 
 /// Runs the binary with the test's table and exchange; exit code, stdout, stderr.
@@ -174,8 +175,6 @@ async fn a_poison_row_is_parked_after_n_attempts_and_its_tenant_goes_on() {
         "nothing sent again"
     );
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -243,8 +242,6 @@ async fn the_brokers_trouble_parks_nothing_even_at_one_attempt() {
         .collect();
     assert_eq!(received, ids, "every row, none parked");
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -387,8 +384,6 @@ async fn requeue_discard_and_replay_as_an_operator_runs_them() {
     assert!(out.contains("replayed 1 row of"), "{out}");
     assert_eq!(outbox.published_ids().await, before, "replay marks nothing");
     assert!(!outbox.row(dropped).await.published);
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -426,14 +421,13 @@ async fn a_table_without_the_parking_columns_relays_and_refuses_to_park() {
     assert_eq!(output.status.code(), Some(1), "{stderr}");
     assert!(stderr.contains("park_after_attempts = 3"), "{stderr}");
     assert!(stderr.contains("outbox-relay migrate"), "{stderr}");
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_upgrades_a_partitioned_table_with_rows() {
     let client = crate::support::pg_client().await;
     let schema = crate::support::unique("part");
+    let _owned = OwnedSchema::new(crate::support::DATABASE_URL, &schema);
     client
         .batch_execute(&format!(
             "CREATE SCHEMA \"{schema}\";
@@ -472,10 +466,6 @@ async fn migrate_upgrades_a_partitioned_table_with_rows() {
         index.contains("WHERE ((published_at IS NULL) AND (parked_at IS NULL))"),
         "{index}"
     );
-    client
-        .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
-        .await
-        .expect("drop schema");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -520,6 +510,4 @@ async fn a_requeued_row_goes_out_at_once_not_at_the_next_poll() {
     .await;
     relay.stop().await;
     assert_eq!(by_tenant(&broker.received())["t"], [poisoned]);
-    broker.delete().await;
-    outbox.drop_schema().await;
 }

@@ -122,8 +122,6 @@ async fn batches_stop_at_the_budget_and_rows_larger_than_a_share_go_out_whole_in
         "200 rows of 81 KiB in 1 MiB shares: {full} full sweeps"
     );
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// Full batches of one tenant follow each other in one transaction, each read
@@ -176,8 +174,6 @@ async fn a_large_row_at_the_head_of_the_batch_read_ahead_goes_out_whole_in_order
         Some(rows.len() as f64),
         "each row counted once:\n{metrics}"
     );
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// What the release binary with the default configuration may peak at
@@ -253,6 +249,4 @@ async fn the_binary_with_defaults_relays_the_heaviest_rows_within_its_memory_lim
         peak <= PEAK_RSS_LIMIT_MIB,
         "peak RSS {peak} MiB, over {PEAK_RSS_LIMIT_MIB} MiB"
     );
-    broker.delete().await;
-    outbox.drop_schema().await;
 }

@@ -15,8 +15,8 @@ use outbox_relay::store::Store;
 use tokio_postgres::Client;
 
 use crate::support::{
-    Broker, DATABASE_URL, Outbox, by_tenant, check_history, config, eventually, pg_client,
-    relay_command, relay_env, spawn_relay, start_relay, unique,
+    Broker, DATABASE_URL, Outbox, OwnedSchema, by_tenant, check_history, config, eventually,
+    pg_client, relay_command, relay_env, spawn_relay, start_relay, unique,
 };
 
 /// Committed ids per tenant.
@@ -111,8 +111,6 @@ async fn interleaved_writers_arrive_in_commit_order() {
         "no duplicates"
     );
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// A transaction open with rows of two tenants holds back only the rows of
@@ -176,8 +174,6 @@ async fn a_transaction_writing_two_tenants_blocks_no_writer_and_holds_back_only_
         0
     );
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// Transaction A inserts its outbox row and then updates a business row;
@@ -258,8 +254,6 @@ async fn opposite_orders_with_a_business_row_both_commit() {
         0
     );
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// An id the application supplies is replaced by one drawn from the sequence
@@ -281,8 +275,6 @@ async fn an_application_supplied_id_is_overwritten() {
         0
     );
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// A role that may only INSERT into the table (and use its schema) writes
@@ -328,7 +320,6 @@ async fn a_role_that_may_only_insert_writes_through_the_trigger() {
         .await;
     written.expect("the insert-only role inserts");
     assert_eq!(ids.len(), 1, "one row written");
-    outbox.drop_schema().await;
 }
 
 /// How many advisory locks the current transaction of `client` holds.
@@ -376,7 +367,6 @@ async fn bulk_inserts_over_many_tenants_and_the_escape_hatch() {
     assert_eq!(advisory_locks_held(&tx).await, 0, "no lock per tenant");
     tx.commit().await.unwrap();
     assert_eq!(outbox.all_pending().await, 22_000);
-    outbox.drop_schema().await;
 }
 
 /// A configuration of the migrations for `schema`.
@@ -419,12 +409,6 @@ async fn old_table(client: &Client, schema: &str) {
         ))
         .await
         .expect("the old table");
-}
-
-async fn drop_schema(client: &Client, schema: &str) {
-    let _ = client
-        .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
-        .await;
 }
 
 async fn recorded(client: &Client, schema: &str) -> Vec<(String, i32, String)> {
@@ -477,6 +461,7 @@ async fn kind_once_valid(client: &Client, schema: &str) -> bool {
 async fn an_old_table_is_upgraded_in_place_and_a_second_migrate_is_up_to_date() {
     let client = pg_client().await;
     let schema = unique("old");
+    let _owned = OwnedSchema::new(DATABASE_URL, &schema);
     old_table(&client, &schema).await;
     let table = format!("\"{schema}\".outbox_message");
     client
@@ -518,7 +503,6 @@ async fn an_old_table_is_upgraded_in_place_and_a_second_migrate_is_up_to_date() 
     assert_eq!(code, Some(0), "{output}");
     assert!(output.contains("migrations up to date"), "{output}");
     assert!(!output.contains("applied"), "{output}");
-    drop_schema(&client, &schema).await;
 }
 
 /// Four migrators at once (replicas started together): every one succeeds,
@@ -527,6 +511,7 @@ async fn an_old_table_is_upgraded_in_place_and_a_second_migrate_is_up_to_date() 
 async fn concurrent_migrators_apply_each_migration_once() {
     let client = pg_client().await;
     let schema = unique("race");
+    let _owned = OwnedSchema::new(DATABASE_URL, &schema);
     let runs: Vec<_> = (0..4)
         .map(|_| {
             let schema = schema.clone();
@@ -553,7 +538,6 @@ async fn concurrent_migrators_apply_each_migration_once() {
         MIGRATIONS.len() + 1,
         "a new table is finished at once"
     );
-    drop_schema(&client, &schema).await;
 }
 
 /// What a schema holds, with its name replaced by `S`: columns, indexes,
@@ -654,6 +638,7 @@ fn print_and_apply(schema: &str, finish: bool) {
 async fn migrate_print_applied_by_psql_equals_migrate() {
     let client = pg_client().await;
     let (by_migrate, by_psql) = (unique("mig"), unique("psq"));
+    let _owned = [&by_migrate, &by_psql].map(|schema| OwnedSchema::new(DATABASE_URL, schema));
     let config = migrate_config(&by_migrate);
     outbox_relay::migrate::run(&Store::new(&config).unwrap(), &config)
         .await
@@ -693,8 +678,6 @@ async fn migrate_print_applied_by_psql_equals_migrate() {
     print_and_apply(&by_psql, false);
     assert_eq!(writer_mode(&client, &by_psql).await, "shared");
     assert_eq!(catalog(&client, &by_psql).await, expected);
-    drop_schema(&client, &by_migrate).await;
-    drop_schema(&client, &by_psql).await;
 }
 
 /// A migration marked to run outside a transaction builds its index
@@ -741,7 +724,6 @@ async fn a_no_transaction_migration_rebuilds_an_invalid_index() {
             .any(|r| r.1 == 100),
         "recorded"
     );
-    outbox.drop_schema().await;
 }
 
 /// A relay over a table without the trigger says so once, plainly, and
@@ -751,11 +733,7 @@ async fn the_relay_warns_once_about_a_missing_trigger() {
     let client = pg_client().await;
     let schema = unique("bare");
     old_table(&client, &schema).await;
-    let outbox = Outbox {
-        schema: schema.clone(),
-        table: "outbox_message".into(),
-        client,
-    };
+    let outbox = Outbox::adopt(schema.clone(), "outbox_message".into(), client);
     let broker = Broker::create(&["#"]).await;
     let env = relay_env(&outbox, &broker, &["w"]);
     let (relay, _) = spawn_relay(&env).await;
@@ -802,9 +780,6 @@ async fn the_relay_warns_once_about_a_missing_trigger() {
     let received = by_tenant(&broker.received());
     assert_eq!(received["w"].len(), 2);
     assert!(!relay.output().contains("\"WARN\""), "{}", relay.output());
-    drop(relay);
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// The check names each missing piece: a migrated table has none; without
@@ -837,7 +812,6 @@ async fn the_schema_check_names_each_missing_piece() {
     elsewhere.table = "no_such_table".into();
     let report = check_schema(&store, &elsewhere).await.unwrap();
     assert_eq!(report.missing, vec![Missing::Table]);
-    outbox.drop_schema().await;
 }
 
 /// The id sequence's settings are checked while the relay runs: one altered
@@ -879,7 +853,4 @@ async fn a_sequence_altered_to_cache_rows_under_the_relay_stops_it_until_fixed()
         check_history(&outbox, &broker, &committed, Duration::from_secs(40)).await,
         0
     );
-    drop(relay);
-    broker.delete().await;
-    outbox.drop_schema().await;
 }

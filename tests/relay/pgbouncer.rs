@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use tokio_postgres::{NoTls, SimpleQueryMessage};
 
-use crate::support::{Broker, Outbox, check_history, config, start_relay};
+use crate::support::{Broker, Outbox, OwnedSchema, check_history, config, start_relay};
 
 /// Port of the instance pooling by transaction.
 pub const TRANSACTION_PORT: u16 = 6432;
@@ -239,12 +239,6 @@ async fn two_relays_two_tables_one_small_pool(url: String) {
     for relay in relays {
         relay.stop().await;
     }
-    for broker in brokers {
-        broker.delete().await;
-    }
-    for outbox in outboxes {
-        outbox.drop_schema().await;
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -267,6 +261,7 @@ async fn two_relays_on_two_tables_through_session_pooling() {
 async fn migrations_and_the_schema_check_through_transaction_pooling() {
     let url = through_pgbouncer(TRANSACTION_PORT, "transaction").await;
     let schema = crate::support::unique("pgb_mig");
+    let _owned = OwnedSchema::new(crate::support::DATABASE_URL, &schema);
     let mut config = outbox_relay::config::Config::with_tenants(["migrate"]);
     config.database_url = url.parse().expect("database url");
     config.schema = schema.clone();
@@ -292,7 +287,4 @@ async fn migrations_and_the_schema_check_through_transaction_pooling() {
         .get(0);
     // A new table is finished at once (the shared writers' lock).
     assert_eq!(recorded, outbox_relay::migrate::MIGRATIONS.len() as i64 + 1);
-    let _ = direct
-        .batch_execute(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
-        .await;
 }

@@ -106,8 +106,6 @@ async fn an_unroutable_row_stops_only_its_tenant_and_goes_out_once_a_queue_is_bo
         received["stuck"], stuck,
         "each once, in order, after the fix"
     );
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// A relay's sweeps share one channel, and lapin may hand a returned message
@@ -195,8 +193,6 @@ async fn returns_reach_their_own_rows_when_tenants_share_a_channel() {
             "{tenant}: nothing refused"
         );
     }
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// A relay publishing `rows` rows of `tenant`, `max_in_flight` at a time, to
@@ -294,8 +290,6 @@ async fn a_nacked_row_marks_only_the_confirmed_prefix() {
     )
     .await;
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -395,8 +389,6 @@ async fn a_too_large_payload_and_malformed_headers_are_refused_without_being_sen
     assert_eq!(received["big"], vec![big, big_next]);
     assert_eq!(received["bad"], vec![bad]);
     assert_eq!(received["fine"], fine);
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -426,8 +418,6 @@ async fn a_nack_deep_in_a_batch_marks_exactly_the_confirmed_prefix() {
         assert_eq!(outbox.row(*id).await.attempts, 0, "row {id}");
     }
     broker.purge(&capped).await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -501,7 +491,6 @@ async fn marks_sent_ahead_are_invisible_until_the_commit_and_undone_past_a_late_
             }
         );
     }
-    outbox.drop_schema().await;
 }
 
 /// Polls `/readyz` and `outbox_amqp_connected` every 20 ms while a test runs:
@@ -820,7 +809,6 @@ impl Beside {
         .await;
         self.steady.assert_steady().await;
         self.relay.stop().await;
-        self.outbox.drop_schema().await;
         let mut seen = HashSet::new();
         let firsts: Vec<i64> = by_tenant(&broker.received())["guilty"]
             .iter()
@@ -870,7 +858,6 @@ async fn a_cc_header_is_refused_before_sending_and_no_other_tenant_feels_it() {
         )
         .await;
     assert_eq!(guilty.len(), 7, "each of its rows once");
-    broker.delete().await;
 }
 
 /// Each calm tenant received exactly its committed rows, once each, in
@@ -940,7 +927,6 @@ async fn an_oversized_header_is_refused_before_sending_and_the_connection_stays_
         )
         .await;
     assert_eq!(guilty.len(), 7, "each of its rows once");
-    broker.delete().await;
 }
 
 /// With `declare_exchange = false`, a deleted exchange is a configuration
@@ -1021,9 +1007,6 @@ async fn a_deleted_exchange_is_a_configuration_problem_blamed_on_no_row() {
     steady.assert_steady().await;
     let received = by_tenant(&broker.received());
     assert_eq!(received, committed, "each row once, in order");
-    drop(process);
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// Sets the broker's `max_message_size` (a global setting, read when a
@@ -1138,7 +1121,6 @@ async fn a_body_over_the_brokers_max_message_size_is_found_alone_after_one_incid
         .repair_and_drain(&broker, "UPDATE {outbox} SET payload = '{}'")
         .await;
     drop(limit);
-    broker.delete().await;
 }
 
 /// A full queue (`reject-publish`) nacks a row; another queue bound to the
@@ -1183,6 +1165,4 @@ async fn a_nacked_row_is_retried_alone_so_no_window_is_sent_again_per_retry() {
         "the nacked row alone is retried"
     );
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }

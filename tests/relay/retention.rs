@@ -112,8 +112,6 @@ async fn retention_deletes_only_rows_published_long_ago_while_relaying_continues
         "the consumer got the rest, in order"
     );
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// The outbox partitioned by time, made with the runbook's SQL (and
@@ -134,11 +132,7 @@ async fn a_table_partitioned_by_time_is_relayed_in_order_and_cleaned() {
     outbox_relay::migrate::run(&store, &migrate)
         .await
         .expect("migrate keeps the partitioned table and adds the trigger");
-    let outbox = Outbox {
-        schema,
-        table: "outbox_message".into(),
-        client: admin,
-    };
+    let outbox = Outbox::adopt(schema, "outbox_message".into(), admin);
     let broker = Broker::create(&["#"]).await;
     // Rows in last month's partition, published long ago; pending rows in
     // this month's and last month's, interleaved.
@@ -207,8 +201,6 @@ async fn a_table_partitioned_by_time_is_relayed_in_order_and_cleaned() {
     }
     assert!(!received.values().flatten().any(|id| old.contains(id)));
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// The runbook's SQL for an outbox partitioned by month, with this month's
@@ -282,6 +274,4 @@ async fn retention_waits_its_turn_on_the_advisory_lock() {
     )
     .await;
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }

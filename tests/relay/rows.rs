@@ -83,6 +83,4 @@ async fn rows_no_message_can_carry_are_refused_as_invalid_and_others_go_on() {
     }
     assert_eq!(relay.get("/readyz").await.0, 200);
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }

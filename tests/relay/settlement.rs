@@ -86,8 +86,6 @@ async fn settlement_retried_across_a_terminated_backend() {
         Some(ids.len() as f64)
     );
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// The `message_id` property is the rendered template; the `outbox-id`
@@ -115,6 +113,4 @@ async fn message_id_is_the_rendered_template() {
         );
     }
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }

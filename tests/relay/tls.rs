@@ -231,11 +231,7 @@ async fn tls_outbox() -> Outbox {
         .await
         .expect("the TLS cluster's socket");
     tokio::spawn(connection);
-    Outbox {
-        schema,
-        table,
-        client,
-    }
+    Outbox::adopt_in(&cluster.local_url(), schema, table, client)
 }
 
 /// A TLS-terminating proxy to the machine's broker.
@@ -466,8 +462,6 @@ async fn rows_are_relayed_over_tls_to_both_services_with_client_certificates() {
     assert_eq!(status, 200, "{body}");
     assert!(proxy.handshakes() >= 1);
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -535,8 +529,6 @@ async fn a_wrong_ca_is_refused_at_once_with_a_clear_error_and_the_relay_is_not_r
         "{}",
         process.output()
     );
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

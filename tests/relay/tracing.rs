@@ -283,9 +283,6 @@ async fn a_rows_span_is_a_producer_child_of_its_traceparent_and_the_message_name
         text_header(message(not_sampled), "traceparent"),
         Some(unsampled)
     );
-
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test]
@@ -348,9 +345,6 @@ async fn a_refused_rows_span_is_an_error_and_its_log_line_names_the_span() {
             .any(|e| hex(&e.span.trace_id) == trace_id && hex(&e.span.span_id) == span_id),
         "the line's trace_id {trace_id} and span_id {span_id} name an exported span of the row"
     );
-
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test]
@@ -398,9 +392,6 @@ async fn a_black_hole_endpoint_drops_spans_counted_and_holds_up_no_row() {
         "stopped in {:?}",
         started.elapsed()
     );
-
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// An endpoint that refuses connections: every export fails at once; the
@@ -455,8 +446,6 @@ async fn a_refusing_endpoint_is_logged_once_without_its_password_and_holds_up_no
         !relay.output().contains("s3cret"),
         "the endpoint's password is never printed"
     );
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test]

@@ -68,11 +68,12 @@ async fn prepared_transactions_commit_through_the_trigger_and_hold_back_only_lat
     outbox_relay::migrate::run(&Store::new(&migrate).expect("store"), &migrate)
         .await
         .expect("migrations apply");
-    let outbox = Outbox {
-        schema: schema.clone(),
-        table: "outbox_message".into(),
-        client: cluster.client("postgres").await,
-    };
+    let outbox = Outbox::adopt_in(
+        &cluster.url("postgres"),
+        schema.clone(),
+        "outbox_message".into(),
+        cluster.client("postgres").await,
+    );
     outbox
         .client
         .batch_execute(&format!(
@@ -187,6 +188,4 @@ async fn prepared_transactions_commit_through_the_trigger_and_hold_back_only_lat
     })
     .await;
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }

@@ -157,11 +157,11 @@ fn migrate(mut command: Command, args: &[&str], schema: &str) {
 
 /// The test's table, with a connection of its own.
 async fn outbox_of(schema: &str) -> Outbox {
-    Outbox {
-        schema: schema.to_string(),
-        table: "outbox_message".into(),
-        client: pg_client().await,
-    }
+    Outbox::adopt(
+        schema.to_string(),
+        "outbox_message".into(),
+        pg_client().await,
+    )
 }
 
 fn merge(into: &mut BTreeMap<String, Vec<i64>>, more: BTreeMap<String, Vec<i64>>) {
@@ -190,7 +190,7 @@ async fn an_old_relay_beside_a_new_one_keeps_order_through_both_steps_of_the_upg
     // Step 1, while the old relay runs and writers write: the new trigger,
     // still the exclusive lock the old relay relies on.
     let writing = tokio::spawn({
-        let outbox = outbox_of(&schema).await;
+        let outbox = outbox.sharing(pg_client().await);
         async move { interleaved(&outbox, &["red", "blue"]).await }
     });
     migrate(relay_command(), &[], &schema);
@@ -251,6 +251,4 @@ async fn an_old_relay_beside_a_new_one_keeps_order_through_both_steps_of_the_upg
     }
     check_history(&outbox, &broker, &history, Duration::from_secs(60)).await;
     new_relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }

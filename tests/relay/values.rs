@@ -190,8 +190,6 @@ async fn any_occurred_at_in_any_tenant_leaves_poll_lag_status_and_metrics_workin
     .await;
     assert_eq!(relay.get("/readyz").await.0, 200);
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// The migration's range check: new tables take only finite timestamps of
@@ -240,7 +238,6 @@ async fn new_tables_keep_occurred_at_finite_and_in_years_1_to_9999() {
     let store = outbox_relay::store::Store::new(&config).unwrap();
     outbox_relay::migrate::run(&store, &config).await.unwrap();
     insert_at(&outbox, "a", "'infinity'").await;
-    outbox.drop_schema().await;
 }
 
 /// A `bytea` payload would go out as hex text: the relay names the column
@@ -322,6 +319,4 @@ async fn an_unfit_payload_column_is_named_once_and_nothing_is_sent_until_fixed()
     assert_eq!(broker.received()[0].body, b"{\"n\":1}", "the text, not hex");
     process.signal("TERM");
     assert_eq!(process.wait(Duration::from_secs(20)).await, Some(0));
-    broker.delete().await;
-    outbox.drop_schema().await;
 }

@@ -114,8 +114,6 @@ async fn a_committed_row_arrives_long_before_the_poll() {
     relay.stop().await;
     let ids: Vec<i64> = broker.received().iter().map(|r| r.id).collect();
     assert_eq!(ids, [first, second, third], "each once, in order");
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -162,8 +160,6 @@ async fn a_terminated_listen_backend_reconnects_and_loses_nothing() {
         "all arrived long before the poll"
     );
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -194,8 +190,6 @@ async fn wakeup_poll_relays_by_the_poll_without_listening() {
     let mut expected = ids;
     expected.append(&mut more);
     assert_eq!(received, expected);
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -226,8 +220,6 @@ async fn a_writer_that_switches_notifications_off_is_carried_by_the_poll() {
         "no notification was sent"
     );
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -256,8 +248,6 @@ async fn through_transaction_pooling_a_direct_listen_connection_wakes_the_relay(
     relay.stop().await;
     let ids: Vec<i64> = broker.received().iter().map(|r| r.id).collect();
     assert_eq!(ids, committed);
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 /// What `replicas` relays did with 300 rows of ten tenants.
@@ -344,8 +334,6 @@ async fn sweeps_with(replicas: usize, wakeup: Wakeup) -> Sweeps {
     for relay in relays {
         relay.stop().await;
     }
-    broker.delete().await;
-    outbox.drop_schema().await;
     sweeps
 }
 
@@ -442,8 +430,6 @@ async fn a_lone_transaction_on_a_quiet_table_wakes_the_relay_at_its_commit() {
     relay.stop().await;
     let ids: Vec<i64> = broker.received().iter().map(|r| r.id).collect();
     assert_eq!(ids, committed);
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -519,8 +505,6 @@ async fn while_rows_flow_the_relay_finds_them_by_the_id_sequence_with_no_notific
     // Every row arrives, each tenant's in order, long before the poll.
     check_history(&outbox, &broker, &committed, Duration::from_secs(20)).await;
     relay.stop().await;
-    broker.delete().await;
-    outbox.drop_schema().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
