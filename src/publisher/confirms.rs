@@ -3,7 +3,7 @@
 //!
 //! One channel, because RabbitMQ's cost per message grows with the number of
 //! channels publishing at once: a channel per running sweep multiplied them by
-//! `concurrency` (README › Benchmarks).
+//! `concurrency` (docs/benchmarks.md).
 //!
 //! One task resolves every confirm, because lapin hands a returned
 //! (unroutable) message to whichever confirm the next ack frame resolves
