@@ -56,7 +56,7 @@ use crate::domain::{Lease, OutboxRow};
 use link::Link;
 
 pub use error::PublishError;
-pub use open::{OpenError, open_channel, open_connection, open_first};
+pub use open::{OpenError, exchange_kind, open_channel, open_connection, open_first};
 pub use outcome::ConfirmOutcome;
 pub use publishing::{PROGRESS_STEP, Progress, Publishing};
 pub use supervisor::CONNECT_TIMEOUT;

@@ -9,14 +9,13 @@
 use std::io::Write;
 
 use futures_util::StreamExt;
-use lapin::ExchangeKind;
 use lapin::options::{
     BasicConsumeOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 
 use crate::config::Config;
-use crate::publisher::{OpenError, open_channel};
+use crate::publisher::{OpenError, exchange_kind, open_channel};
 
 /// The widest body shown on a line.
 const BODY_WIDTH: usize = 200;
@@ -46,13 +45,7 @@ pub async fn run(
     let (connection, channel) = open_channel(&config.amqp_url, "outbox-relay tail").await?;
     if config.declare_exchange {
         // As the relay declares it: tail may start first.
-        let kind = match config.exchange_type.as_str() {
-            "direct" => ExchangeKind::Direct,
-            "fanout" => ExchangeKind::Fanout,
-            "topic" => ExchangeKind::Topic,
-            "headers" => ExchangeKind::Headers,
-            other => ExchangeKind::Custom(other.to_string()),
-        };
+        let kind = exchange_kind(&config.exchange_type);
         channel
             .exchange_declare(
                 config.exchange.as_str().into(),

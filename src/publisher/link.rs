@@ -5,13 +5,14 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use lapin::Channel;
 use lapin::types::ShortString;
-use lapin::{Channel, ExchangeKind};
 use tokio::sync::watch;
 
 use super::confirms::ConfirmChannel;
 use super::error::PublishError;
 use super::isolation::Isolation;
+use super::open::exchange_kind;
 use super::session::{Exchange, Session};
 use crate::config::{AmqpTarget, Config};
 use crate::envelope::Envelope;
@@ -35,13 +36,7 @@ pub(super) struct Link {
 
 impl Link {
     pub fn new(config: &Config) -> Result<Link, PublishError> {
-        let kind = match config.exchange_type.as_str() {
-            "direct" => ExchangeKind::Direct,
-            "fanout" => ExchangeKind::Fanout,
-            "topic" => ExchangeKind::Topic,
-            "headers" => ExchangeKind::Headers,
-            other => ExchangeKind::Custom(other.to_string()),
-        };
+        let kind = exchange_kind(&config.exchange_type);
         let (connected, _) = watch::channel(false);
         let (blocked, _) = watch::channel(false);
         let (endpoint, _) = watch::channel(None);

@@ -5,7 +5,7 @@
 
 use lapin::tcp::{AMQPUriTcpExt, RustlsConnector, TLSConfig};
 use lapin::uri::{AMQPScheme, AMQPUri};
-use lapin::{Channel, Connection, ConnectionProperties};
+use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 
 use crate::config::{AmqpEndpoint, AmqpTarget};
 
@@ -92,5 +92,17 @@ pub async fn open_connection(
             )
             .await
         }
+    }
+}
+
+/// The exchange type `exchange_type` names (validated with the
+/// configuration): the relay and `tail` declare the exchange alike.
+pub fn exchange_kind(exchange_type: &str) -> ExchangeKind {
+    match exchange_type {
+        "direct" => ExchangeKind::Direct,
+        "fanout" => ExchangeKind::Fanout,
+        "topic" => ExchangeKind::Topic,
+        "headers" => ExchangeKind::Headers,
+        other => ExchangeKind::Custom(other.to_string()),
     }
 }

@@ -194,18 +194,7 @@ impl Broker {
     /// Declares the exchange again (after [`Broker::delete_exchange`]; bind
     /// the queue again too).
     pub async fn declare_exchange(&self) {
-        self.channel
-            .exchange_declare(
-                self.exchange.as_str().into(),
-                ExchangeKind::Topic,
-                ExchangeDeclareOptions {
-                    durable: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .expect("declare the exchange");
+        declare_exchange(&self.channel, &self.exchange).await;
     }
 
     /// A queue bound to `key` that holds `length` messages and then rejects
@@ -273,18 +262,7 @@ impl Drop for Broker {
 /// Declares the durable topic `exchange` and the queue `queue` (declared
 /// with `options`).
 pub async fn declare(channel: &Channel, exchange: &str, queue: &str, options: QueueDeclareOptions) {
-    channel
-        .exchange_declare(
-            exchange.into(),
-            ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                durable: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .expect("exchange");
+    declare_exchange(channel, exchange).await;
     channel
         .queue_declare(queue.into(), options, FieldTable::default())
         .await
@@ -312,4 +290,20 @@ pub fn by_tenant(received: &[Received]) -> BTreeMap<String, Vec<i64>> {
         map.entry(r.tenant()).or_default().push(r.id);
     }
     map
+}
+
+/// Declares `exchange`: durable, of type topic, as the relay's default.
+pub async fn declare_exchange(channel: &Channel, exchange: &str) {
+    channel
+        .exchange_declare(
+            exchange.into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("declare the exchange");
 }
