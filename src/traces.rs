@@ -18,7 +18,9 @@
 //! counted in `outbox_trace_spans_dropped_total`.
 
 mod export;
+mod otlp;
 mod parent;
+mod sender;
 mod settings;
 
 use std::borrow::Cow;
@@ -59,7 +61,7 @@ pub fn spans_dropped() -> &'static IntCounter {
 #[derive(Debug, thiserror::Error)]
 pub enum InstallError {
     #[error("cannot build the OTLP exporter: {0}")]
-    Exporter(#[from] opentelemetry_otlp::ExporterBuildError),
+    Exporter(#[from] sender::BuildError),
     #[error("tracing is already installed in this process")]
     Twice,
 }

@@ -1,28 +1,29 @@
 //! The way out for spans: the SDK's batch processor, on a thread of its
-//! own, hands batches to the OTLP/HTTP exporter and its blocking client; the
-//! relay's runtime thread only queues a finished span. Two thin wrappers
-//! count what never reached the collector in
+//! own, hands batches to the OTLP/HTTP exporter (`sender`) and its blocking
+//! client; the relay's runtime thread only queues a finished span. What
+//! never reached the collector is counted in
 //! `outbox_trace_spans_dropped_total` (the SDK keeps its own count private):
-//! the processor drops a span, and counts it, when the queue holds
-//! `OTEL_BSP_MAX_QUEUE_SIZE` spans already (so the SDK's own queue, of the
-//! same size, never drops one uncounted), and the exporter counts every span
-//! of a batch that failed (unreachable, slow or black-hole endpoint).
+//! a thin wrapper of the processor drops a span, and counts it, when the
+//! queue holds `OTEL_BSP_MAX_QUEUE_SIZE` spans already (so the SDK's own
+//! queue, of the same size, never drops one uncounted), and the exporter
+//! counts every span of a batch that failed (unreachable, slow or
+//! black-hole endpoint) or that the endpoint rejected ([`Losses`]).
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use opentelemetry::{Context, KeyValue};
-use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::error::OTelSdkResult;
 use opentelemetry_sdk::trace::{
     BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracerProvider, Span, SpanData,
-    SpanExporter, SpanProcessor,
+    SpanProcessor,
 };
 use prometheus::IntCounter;
 
+use super::otlp::Rejected;
+use super::sender::{BuildError, OtlpHttp};
 use super::settings::{Export, MAX_EXPORT_BATCH, Sampling};
 use crate::redact::redact_urls_in;
 
@@ -46,22 +47,14 @@ impl Queue {
 pub fn provider(
     export: &Export,
     dropped: IntCounter,
-) -> Result<(SdkTracerProvider, Arc<Queue>), opentelemetry_otlp::ExporterBuildError> {
-    let headers: HashMap<String, String> = export.headers.iter().cloned().collect();
-    let exporter = opentelemetry_otlp::SpanExporter::builder()
-        .with_http()
-        .with_protocol(Protocol::HttpBinary)
-        .with_endpoint(export.endpoint.clone())
-        .with_timeout(export.timeout)
-        .with_headers(headers)
-        .build()?;
+) -> Result<(SdkTracerProvider, Arc<Queue>), BuildError> {
     let queue = Arc::new(Queue::default());
-    let exporter = CountingExporter {
-        inner: exporter,
+    let losses = Losses {
         queue: queue.clone(),
         dropped: dropped.clone(),
         failures: Mutex::new(Failures::default()),
     };
+    let exporter = OtlpHttp::new(export, losses)?;
     let batches = BatchConfigBuilder::default()
         .with_max_queue_size(export.max_queue_size)
         .with_max_export_batch_size(MAX_EXPORT_BATCH.min(export.max_queue_size))
@@ -140,15 +133,56 @@ impl SpanProcessor for BoundedProcessor {
 /// How often, at most, a failing export is logged.
 const FAILURE_LOG_EVERY: Duration = Duration::from_secs(60);
 
-/// The OTLP exporter, counting the spans of each batch that failed, and
-/// saying so in the log: the first failure, then at most once every
-/// [`FAILURE_LOG_EVERY`] while they go on.
+/// What the exporter tells of the spans it was handed: taken off the
+/// queue, and those that never reached the collector, counted and said in
+/// the log (the first failure, then at most once every
+/// [`FAILURE_LOG_EVERY`] while they go on).
 #[derive(Debug)]
-struct CountingExporter<E> {
-    inner: E,
+pub struct Losses {
     queue: Arc<Queue>,
     dropped: IntCounter,
     failures: Mutex<Failures>,
+}
+
+impl Losses {
+    /// `spans` left the queue for an export.
+    pub fn taken(&self, spans: usize) {
+        self.queue.queued.fetch_sub(spans, Ordering::Relaxed);
+    }
+
+    /// An export of `spans` failed with `error`.
+    pub fn failed(&self, spans: usize, error: &str) {
+        self.dropped.inc_by(spans as u64);
+        if let Some(dropped) = self.due(spans) {
+            // The error may quote the endpoint: without its password.
+            tracing::warn!(
+                dropped,
+                error = %redact_urls_in(error),
+                "span export failed; the spans are dropped (rows are published as before)"
+            );
+        }
+    }
+
+    /// The endpoint took an export but rejected some of its spans.
+    pub fn rejected(&self, rejected: &Rejected) {
+        self.dropped.inc_by(rejected.spans);
+        let spans = usize::try_from(rejected.spans).unwrap_or(usize::MAX);
+        if let Some(dropped) = self.due(spans) {
+            let message: String = rejected.message.chars().take(200).collect();
+            tracing::warn!(
+                dropped,
+                error = %redact_urls_in(&message),
+                "the trace endpoint rejected spans; they are dropped (rows are published as before)"
+            );
+        }
+    }
+
+    fn due(&self, spans: usize) -> Option<usize> {
+        self.failures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .failed(spans, Instant::now())
+    }
 }
 
 /// Failed exports since the last one logged.
@@ -171,43 +205,6 @@ impl Failures {
         }
         self.logged_at = Some(now);
         Some(std::mem::take(&mut self.spans))
-    }
-}
-
-impl<E: SpanExporter> SpanExporter for CountingExporter<E> {
-    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
-        let spans = batch.len();
-        self.queue.queued.fetch_sub(spans, Ordering::Relaxed);
-        let result = self.inner.export(batch).await;
-        if let Err(error) = &result {
-            self.dropped.inc_by(spans as u64);
-            let due = self
-                .failures
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .failed(spans, Instant::now());
-            if let Some(dropped) = due {
-                // The error may quote the endpoint: without its password.
-                tracing::warn!(
-                    dropped,
-                    error = %redact_urls_in(&error.to_string()),
-                    "span export failed; the spans are dropped (rows are published as before)"
-                );
-            }
-        }
-        result
-    }
-
-    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
-        self.inner.shutdown_with_timeout(timeout)
-    }
-
-    fn force_flush(&self) -> OTelSdkResult {
-        self.inner.force_flush()
-    }
-
-    fn set_resource(&mut self, resource: &Resource) {
-        self.inner.set_resource(resource);
     }
 }
 

@@ -16,7 +16,9 @@ pub const TRACES_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT";
 pub const PROTOCOL: &str = "OTEL_EXPORTER_OTLP_PROTOCOL";
 pub const TRACES_PROTOCOL: &str = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL";
 pub const HEADERS: &str = "OTEL_EXPORTER_OTLP_HEADERS";
+pub const TRACES_HEADERS: &str = "OTEL_EXPORTER_OTLP_TRACES_HEADERS";
 pub const TIMEOUT: &str = "OTEL_EXPORTER_OTLP_TIMEOUT";
+pub const TRACES_TIMEOUT: &str = "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT";
 pub const SERVICE_NAME: &str = "OTEL_SERVICE_NAME";
 pub const RESOURCE_ATTRIBUTES: &str = "OTEL_RESOURCE_ATTRIBUTES";
 pub const SAMPLER: &str = "OTEL_TRACES_SAMPLER";
@@ -155,14 +157,20 @@ impl Settings {
             }
             (None, None) => None,
         };
-        let headers = match get(HEADERS) {
-            Some(text) => parse_pairs(HEADERS, &text, Pair::Header)?,
-            None => Vec::new(),
-        };
-        let timeout = match get(TIMEOUT) {
-            Some(text) => Duration::from_millis(positive(TIMEOUT, &text)?),
-            None => DEFAULT_TIMEOUT,
-        };
+        // The signal's own variable wins over the generic one, as for the
+        // endpoint; both are checked when set.
+        let mut headers = Vec::new();
+        for variable in [HEADERS, TRACES_HEADERS] {
+            if let Some(text) = get(variable) {
+                headers = parse_pairs(variable, &text, Pair::Header)?;
+            }
+        }
+        let mut timeout = DEFAULT_TIMEOUT;
+        for variable in [TIMEOUT, TRACES_TIMEOUT] {
+            if let Some(text) = get(variable) {
+                timeout = Duration::from_millis(positive(variable, &text)?);
+            }
+        }
         let mut resource = match get(RESOURCE_ATTRIBUTES) {
             Some(text) => parse_pairs(RESOURCE_ATTRIBUTES, &text, Pair::Attribute)?,
             None => Vec::new(),
@@ -317,6 +325,12 @@ fn parse_pairs(
                 )
             })?
             .into_owned();
+        if pair == Pair::Header && reqwest::header::HeaderName::from_bytes(key.as_bytes()).is_err() {
+            return Err(error(
+                variable,
+                format!("entry {} has a key that is not an HTTP header name", n + 1),
+            ));
+        }
         if pair == Pair::Header && value.bytes().any(|b| b.is_ascii_control()) {
             return Err(error(
                 variable,
@@ -460,6 +474,8 @@ mod tests {
             (vec![endpoint, (SDK_DISABLED, "yes")], SDK_DISABLED),
             (vec![endpoint, (TRACES_EXPORTER, "zipkin")], TRACES_EXPORTER),
             (vec![endpoint, (HEADERS, "authorization")], HEADERS),
+            (vec![endpoint, (TRACES_HEADERS, "x(y)=1")], TRACES_HEADERS),
+            (vec![endpoint, (TRACES_TIMEOUT, "0")], TRACES_TIMEOUT),
             (
                 vec![endpoint, (RESOURCE_ATTRIBUTES, "a=1,b")],
                 RESOURCE_ATTRIBUTES,
@@ -501,6 +517,15 @@ mod tests {
         ])
         .expect_err("refused");
         assert!(!bad.to_string().contains("secret"), "{bad}");
+        let own = on(&[
+            (ENDPOINT, "http://collector:4318"),
+            (HEADERS, "authorization=generic"),
+            (TRACES_HEADERS, "x-traces=1"),
+            (TIMEOUT, "1000"),
+            (TRACES_TIMEOUT, "2500"),
+        ]);
+        assert_eq!(own.headers, vec![("x-traces".to_string(), "1".to_string())]);
+        assert_eq!(own.timeout, Duration::from_millis(2500));
     }
 
     #[test]

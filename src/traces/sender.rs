@@ -1,0 +1,240 @@
+//! The OTLP/HTTP exporter: each batch the processor hands over is encoded
+//! (see `otlp`) and POSTed to the endpoint by a blocking client, on the
+//! batch processor's own thread, never the relay's runtime.
+//!
+//! A batch is tried again, as the OTLP specification recommends, when the
+//! endpoint could not be reached or answered 429, 502, 503 or 504: at most
+//! [`RETRIES`] more times, after 100 ms, then twice as long each time (up to
+//! 1.6 s, or what its `Retry-After` asks), with up to 100 ms of jitter, and
+//! never past the export timeout counted from the first try. Spans the
+//! endpoint answers that it rejected (`partial_success`) are reported too.
+
+use std::hash::{BuildHasher, RandomState};
+use std::io::Read;
+use std::time::{Duration, Instant};
+
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
+use opentelemetry_sdk::trace::{SpanData, SpanExporter};
+use reqwest::blocking::Client;
+use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
+
+use super::export::Losses;
+use super::otlp::{self, EncodedResource, Rejected};
+use super::settings::Export;
+
+/// Tries after the first, for a batch the endpoint may take later.
+const RETRIES: u32 = 3;
+const FIRST_DELAY: Duration = Duration::from_millis(100);
+const MAX_DELAY: Duration = Duration::from_millis(1600);
+const MAX_JITTER_MS: u64 = 100;
+/// The most of an answer read: an endpoint's answer is a few bytes.
+const MAX_ANSWER: u64 = 64 * 1024;
+
+/// Why the exporter could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error("OTEL_EXPORTER_OTLP_HEADERS: header {0:?} cannot be sent")]
+    Header(String),
+    #[error("cannot build the HTTP client: {0}")]
+    Client(#[from] reqwest::Error),
+}
+
+/// Sends batches of spans to one OTLP/HTTP endpoint.
+#[derive(Debug)]
+pub struct OtlpHttp {
+    client: Client,
+    endpoint: reqwest::Url,
+    headers: HeaderMap,
+    timeout: Duration,
+    resource: EncodedResource,
+    losses: Losses,
+}
+
+impl OtlpHttp {
+    /// Built outside any Tokio runtime: the blocking client owns one.
+    pub fn new(export: &Export, losses: Losses) -> Result<OtlpHttp, BuildError> {
+        let mut headers = HeaderMap::new();
+        for (name, value) in &export.headers {
+            let header = HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| BuildError::Header(name.clone()))?;
+            let mut value =
+                HeaderValue::from_str(value).map_err(|_| BuildError::Header(name.clone()))?;
+            value.set_sensitive(true);
+            headers.insert(header, value);
+        }
+        headers.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/x-protobuf"),
+        );
+        let endpoint = reqwest::Url::parse(&export.endpoint)
+            .map_err(|_| BuildError::Header("endpoint".into()))?;
+        let client = Client::builder()
+            .timeout(export.timeout)
+            .pool_max_idle_per_host(1)
+            .build()?;
+        Ok(OtlpHttp {
+            client,
+            endpoint,
+            headers,
+            timeout: export.timeout,
+            resource: EncodedResource::default(),
+            losses,
+        })
+    }
+
+    /// POSTs `body`, trying again as the module says; what the endpoint
+    /// rejected of it, if anything.
+    fn post(&self, body: Vec<u8>) -> Result<Option<Rejected>, String> {
+        let body = bytes::Bytes::from(body);
+        let deadline = Instant::now() + self.timeout;
+        let mut delay = FIRST_DELAY;
+        let mut tries = 0;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(format!(
+                    "HTTP export timed out after {} ms",
+                    self.timeout.as_millis()
+                ));
+            }
+            let failure = match self.try_once(body.clone(), left) {
+                Ok(rejected) => return Ok(rejected),
+                Err(failure) => failure,
+            };
+            tries += 1;
+            let wait = match failure.retry_after(delay) {
+                Some(wait) if tries <= RETRIES => wait + jitter(),
+                _ => return Err(failure.message),
+            };
+            if Instant::now() + wait >= deadline {
+                return Err(failure.message);
+            }
+            std::thread::sleep(wait);
+            delay = (delay * 2).min(MAX_DELAY);
+        }
+    }
+
+    fn try_once(&self, body: bytes::Bytes, left: Duration) -> Result<Option<Rejected>, Failure> {
+        let response = self
+            .client
+            .post(self.endpoint.clone())
+            .headers(self.headers.clone())
+            .timeout(left)
+            .body(body)
+            .send()
+            .map_err(|error| Failure {
+                status: None,
+                retry_after: None,
+                // The URL without the query, which may hold a token.
+                message: format!("HTTP export failed: {}", error.without_url()),
+            })?;
+        let status = response.status();
+        if !status.is_success() {
+            let retry_after = response
+                .headers()
+                .get(RETRY_AFTER)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .map(Duration::from_secs);
+            return Err(Failure {
+                status: Some(status.as_u16()),
+                retry_after,
+                message: format!("HTTP export failed with status {}", status.as_u16()),
+            });
+        }
+        let mut answer = Vec::new();
+        let _ = response.take(MAX_ANSWER).read_to_end(&mut answer);
+        Ok(otlp::rejected(&answer))
+    }
+}
+
+/// One failed try.
+#[derive(Debug)]
+struct Failure {
+    /// `None`: no answer (the endpoint could not be reached, or timed out).
+    status: Option<u16>,
+    retry_after: Option<Duration>,
+    message: String,
+}
+
+impl Failure {
+    /// How long to wait before the next try, when one may help: `None` for
+    /// an answer that will not change (400, 401, 404…).
+    fn retry_after(&self, delay: Duration) -> Option<Duration> {
+        match self.status {
+            None | Some(502 | 504) => Some(delay),
+            Some(429 | 503) => Some(self.retry_after.map_or(delay, |asked| asked.max(delay))),
+            Some(_) => None,
+        }
+    }
+}
+
+/// Up to [`MAX_JITTER_MS`], so that replicas do not retry in step.
+fn jitter() -> Duration {
+    Duration::from_millis(RandomState::new().hash_one(Instant::now()) % (MAX_JITTER_MS + 1))
+}
+
+impl SpanExporter for OtlpHttp {
+    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let spans = batch.len();
+        self.losses.taken(spans);
+        let body = otlp::export_request(&self.resource, &batch);
+        drop(batch);
+        match self.post(body) {
+            Ok(rejected) => {
+                if let Some(rejected) = rejected {
+                    self.losses.rejected(&rejected);
+                }
+                Ok(())
+            }
+            Err(error) => {
+                self.losses.failed(spans, &error);
+                Err(OTelSdkError::InternalFailure(error))
+            }
+        }
+    }
+
+    fn set_resource(&mut self, resource: &Resource) {
+        self.resource = EncodedResource::new(resource);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failure(status: Option<u16>, retry_after: Option<u64>) -> Failure {
+        Failure {
+            status,
+            retry_after: retry_after.map(Duration::from_secs),
+            message: String::new(),
+        }
+    }
+
+    #[test]
+    fn only_what_may_pass_later_is_tried_again() {
+        let delay = Duration::from_millis(200);
+        assert_eq!(failure(None, None).retry_after(delay), Some(delay));
+        assert_eq!(failure(Some(502), None).retry_after(delay), Some(delay));
+        assert_eq!(failure(Some(504), None).retry_after(delay), Some(delay));
+        assert_eq!(failure(Some(503), None).retry_after(delay), Some(delay));
+        assert_eq!(
+            failure(Some(429), Some(2)).retry_after(delay),
+            Some(Duration::from_secs(2))
+        );
+        for status in [400, 401, 403, 404, 413, 500] {
+            assert_eq!(failure(Some(status), None).retry_after(delay), None);
+        }
+    }
+
+    #[test]
+    fn jitter_stays_within_its_bound() {
+        for _ in 0..100 {
+            assert!(jitter() <= Duration::from_millis(MAX_JITTER_MS));
+        }
+    }
+}
