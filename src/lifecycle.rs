@@ -7,7 +7,7 @@
 //! confirms. None of them touches a row's `published_at` or `attempts`
 //! but `requeue`, which sets its attempts back to 0.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, ShortString};
@@ -15,7 +15,7 @@ use lapin::types::{AMQPValue, ShortString};
 use crate::config::Config;
 use crate::domain::OutboxRow;
 use crate::envelope::Envelope;
-use crate::publisher::{ConfirmOutcome, OpenError, open_channel};
+use crate::publisher::{ConfirmOutcome, OpenError, open_channel, traced_message};
 use crate::store::{Changed, Store, StoreError};
 
 /// The header every replayed message carries, beside the relay's own.
@@ -188,15 +188,22 @@ async fn send_page(
     let mut confirms = Vec::with_capacity(rows.len());
     let mut refused = None;
     for row in rows {
-        // The header frame must hold the replay's own header too.
-        let message =
-            match envelope.message(tenant, row, frame_max.saturating_sub(REPLAY_HEADER_BYTES)) {
-                Ok(message) => message,
-                Err(refusal) => {
-                    refused = Some((row.id, refusal.last_error()));
-                    break;
-                }
-            };
+        // The header frame must hold the replay's own header too. Tracing
+        // on, each row has its publish span, as when the relay sends it.
+        let (message, span) = traced_message(
+            envelope,
+            exchange.as_str(),
+            tenant,
+            row,
+            frame_max.saturating_sub(REPLAY_HEADER_BYTES),
+        );
+        let message = match message {
+            Ok(message) => message,
+            Err(refusal) => {
+                refused = Some((row.id, refusal.last_error()));
+                break;
+            }
+        };
         let mut headers = message.properties.headers().clone().unwrap_or_default();
         headers.insert(REPLAY_HEADER.into(), AMQPValue::Boolean(true));
         let properties = message.properties.with_headers(headers);
@@ -214,32 +221,57 @@ async fn send_page(
             )
             .await
         {
-            Ok(confirm) => confirms.push((row.id, confirm)),
+            Ok(confirm) => confirms.push((row.id, confirm, span)),
             Err(error) => {
-                refused = Some((row.id, format!("connection: {error}")));
+                let detail = error.to_string();
+                if let Some(span) = span {
+                    span.refused("connection", &detail);
+                }
+                refused = Some((row.id, format!("connection: {detail}")));
                 break;
             }
         }
     }
-    for (id, confirm) in confirms {
+    let mut confirms = confirms.into_iter();
+    while let Some((id, confirm, span)) = confirms.next() {
         let answer = tokio::time::timeout(confirm_timeout, confirm).await.ok();
         let failure = match ConfirmOutcome::of(answer) {
             ConfirmOutcome::Delivered => None,
-            ConfirmOutcome::Returned(returned) => Some(format!(
-                "unroutable: returned by the broker: {} {}",
-                returned.reply_code, returned.reply_text
+            ConfirmOutcome::Returned(returned) => Some((
+                "unroutable",
+                format!(
+                    "returned by the broker: {} {}",
+                    returned.reply_code, returned.reply_text
+                ),
             )),
-            ConfirmOutcome::Refused(refusal, _) => Some(refusal.last_error()),
-            ConfirmOutcome::Failed(error) => Some(format!("connection: {error}")),
-            ConfirmOutcome::TimedOut => Some(format!(
-                "timeout: no confirm within {} ms",
-                confirm_timeout.as_millis()
+            ConfirmOutcome::Refused(refusal, _) => {
+                Some((refusal.reason.as_str(), refusal.detail.clone()))
+            }
+            ConfirmOutcome::Failed(error) => Some(("connection", error.to_string())),
+            ConfirmOutcome::TimedOut => Some((
+                "timeout",
+                format!("no confirm within {} ms", confirm_timeout.as_millis()),
             )),
         };
-        if let Some(reason) = failure {
-            return Err((id, reason));
+        let Some((reason, detail)) = failure else {
+            if let Some(span) = span {
+                span.confirmed(SystemTime::now());
+            }
+            replayed.add(id);
+            continue;
+        };
+        if let Some(span) = span {
+            span.refused(reason, &detail);
         }
-        replayed.add(id);
+        for (_, _, span) in confirms {
+            if let Some(span) = span {
+                span.refused(
+                    "other",
+                    "not confirmed: the replay stopped at an earlier row",
+                );
+            }
+        }
+        return Err((id, format!("{reason}: {detail}")));
     }
     match refused {
         Some(refused) => Err(refused),

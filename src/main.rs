@@ -160,7 +160,18 @@ fn main() -> ExitCode {
         Command::Requeue { .. } | Command::Discard { .. } | Command::Replay { .. } => {
             // stdout is what changed: no log lines there.
             warn_unknown_env_on_stderr(&loaded);
-            runtime.block_on(lifecycle(loaded.config, command))
+            // A replay publishes: its rows get spans as the relay's do.
+            let traced = matches!(command, Command::Replay { .. });
+            let exporting = match install_traces(traced, &tracing_settings) {
+                Ok(exporting) => exporting,
+                Err(code) => return code,
+            };
+            let grace = loaded.config.shutdown_grace();
+            let code = runtime.block_on(lifecycle(loaded.config, command));
+            if let Some(exporting) = exporting {
+                exporting.shutdown(grace);
+            }
+            code
         }
         command => run_logged(&runtime, loaded, command, &tracing_settings),
     }
@@ -226,17 +237,10 @@ fn run_logged(
     command: Command,
     tracing_settings: &traces::Settings,
 ) -> ExitCode {
-    // Before the runtime runs: the exporter's blocking client is not to be
-    // made inside it.
-    let exporting = match &command {
-        Command::Migrate { .. } => None,
-        _ => match traces::install(tracing_settings) {
-            Ok(exporting) => exporting,
-            Err(error) => {
-                eprintln!("outbox-relay: configuration error: traces: {error}");
-                return ExitCode::from(EXIT_CONFIG);
-            }
-        },
+    let traced = !matches!(command, Command::Migrate { .. });
+    let exporting = match install_traces(traced, tracing_settings) {
+        Ok(exporting) => exporting,
+        Err(code) => return code,
     };
     telemetry::init(loaded.config.log_format, &loaded.config.log);
     warn_unknown_env(&loaded);
@@ -273,6 +277,23 @@ fn run_logged(
         exporting.shutdown(left);
     }
     report_exit(result)
+}
+
+/// Starts exporting traces as `settings` say, for a command that publishes
+/// (`traced`); the exit code when the exporter cannot be built. Called
+/// before the runtime runs: the exporter's blocking client is not to be
+/// made inside it.
+fn install_traces(
+    traced: bool,
+    settings: &traces::Settings,
+) -> Result<Option<traces::Exporting>, ExitCode> {
+    if !traced {
+        return Ok(None);
+    }
+    traces::install(settings).map_err(|error| {
+        eprintln!("outbox-relay: configuration error: traces: {error}");
+        ExitCode::from(EXIT_CONFIG)
+    })
 }
 
 /// For commands whose stdout is their output (`check-config`, `status`).

@@ -59,6 +59,7 @@ pub use error::PublishError;
 pub use open::{OpenError, exchange_kind, open_channel, open_connection, open_first};
 pub use outcome::ConfirmOutcome;
 pub use publishing::{PROGRESS_STEP, Progress, Publishing};
+pub(crate) use spans::message as traced_message;
 pub use supervisor::CONNECT_TIMEOUT;
 
 /// The relay's side of the broker. Cheap to clone.

@@ -15,7 +15,7 @@ use crate::traces::{self, Publish, PublishSpan};
 /// row's span, started as the message is built and carried in its trace
 /// context when sampled. A row the envelope refuses has its span ended with
 /// the refusal here, and none is returned.
-pub(super) fn message(
+pub(crate) fn message(
     envelope: &Envelope,
     exchange: &str,
     tenant: &str,

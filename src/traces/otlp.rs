@@ -61,13 +61,17 @@ pub fn export_request(resource: &EncodedResource, spans: &[SpanData]) -> Vec<u8>
         {
             Some(at) => at,
             None => {
-                scopes.push((&data.instrumentation_scope, Vec::with_capacity(spans.len() * 400)));
+                scopes.push((
+                    &data.instrumentation_scope,
+                    Vec::with_capacity(spans.len() * 400),
+                ));
                 scopes.len() - 1
             }
         };
         message(&mut scopes[at].1, 2, |buf| span(buf, data));
     }
-    let mut body = Vec::with_capacity(scopes.iter().map(|(_, s)| s.len() + 64).sum::<usize>() + 256);
+    let mut body =
+        Vec::with_capacity(scopes.iter().map(|(_, s)| s.len() + 64).sum::<usize>() + 256);
     message(&mut body, 1, |buf| {
         message(buf, 1, |buf| buf.extend_from_slice(&resource.resource));
         for (scope, spans) in &scopes {
@@ -96,7 +100,9 @@ fn span(buf: &mut Vec<u8>, data: &SpanData) {
     fixed64(buf, 7, nanos(data.start_time));
     fixed64(buf, 8, nanos(data.end_time));
     for attribute in &data.attributes {
-        message(buf, 9, |buf| key_value(buf, &attribute.key, &attribute.value));
+        message(buf, 9, |buf| {
+            key_value(buf, &attribute.key, &attribute.value)
+        });
     }
     uint(buf, 10, data.dropped_attributes_count.into());
     for event in data.events.iter() {
@@ -173,7 +179,9 @@ fn instrumentation_scope(buf: &mut Vec<u8>, scope: &InstrumentationScope) {
     string(buf, 1, scope.name());
     string(buf, 2, scope.version().unwrap_or_default());
     for attribute in scope.attributes() {
-        message(buf, 3, |buf| key_value(buf, &attribute.key, &attribute.value));
+        message(buf, 3, |buf| {
+            key_value(buf, &attribute.key, &attribute.value)
+        });
     }
 }
 
@@ -426,9 +434,17 @@ mod tests {
                 SpanId::from(0xb7ad6b7169203331 + n),
                 TraceFlags::SAMPLED,
                 false,
-                if n % 2 == 0 { state.clone() } else { TraceState::default() },
+                if n.is_multiple_of(2) {
+                    state.clone()
+                } else {
+                    TraceState::default()
+                },
             ),
-            parent_span_id: if n == 0 { SpanId::INVALID } else { SpanId::from(n) },
+            parent_span_id: if n == 0 {
+                SpanId::INVALID
+            } else {
+                SpanId::from(n)
+            },
             parent_span_is_remote: remote_parent,
             span_kind: [SpanKind::Producer, SpanKind::Internal, SpanKind::Consumer][n as usize % 3]
                 .clone(),
@@ -491,7 +507,10 @@ mod tests {
         let mut data = span(1, scope("outbox-relay"), false);
         data.attributes = vec![KeyValue::new("big", "x".repeat(70_000))];
         let resource = Resource::builder_empty().build();
-        let ours = export_request(&EncodedResource::new(&resource), std::slice::from_ref(&data));
+        let ours = export_request(
+            &EncodedResource::new(&resource),
+            std::slice::from_ref(&data),
+        );
         let decoded = ExportTraceServiceRequest::decode(ours.as_slice()).expect("decodes");
         let expected = ExportTraceServiceRequest {
             resource_spans: group_spans_by_resource_and_scope(

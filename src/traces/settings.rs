@@ -325,7 +325,8 @@ fn parse_pairs(
                 )
             })?
             .into_owned();
-        if pair == Pair::Header && reqwest::header::HeaderName::from_bytes(key.as_bytes()).is_err() {
+        if pair == Pair::Header && reqwest::header::HeaderName::from_bytes(key.as_bytes()).is_err()
+        {
             return Err(error(
                 variable,
                 format!("entry {} has a key that is not an HTTP header name", n + 1),

@@ -348,6 +348,90 @@ async fn a_refused_rows_span_is_an_error_and_its_log_line_names_the_span() {
 }
 
 #[tokio::test]
+async fn a_replayed_row_has_its_publish_span_and_the_message_names_it() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["a.#"]).await;
+    let receiver = Receiver::start().await;
+    let traceparent = format!("00-{TRACE_ID}-{PARENT_ID}-01");
+    let child = outbox
+        .insert(
+            "a",
+            "order.created",
+            "o-1",
+            Some("{}"),
+            Some(json!({"traceparent": traceparent})),
+        )
+        .await;
+    let root = outbox
+        .insert("a", "order.paid", "o-1", Some("{}"), None)
+        .await;
+    // Published once by a relay that does not trace.
+    let (relay, _addr) = spawn_relay(&relay_env(&outbox, &broker, &["a"])).await;
+    eventually("both rows published", Duration::from_secs(20), || async {
+        outbox.published_ids().await.len() == 2
+    })
+    .await;
+    drop(relay);
+
+    let mut command = relay_command();
+    command.envs(traced_env(&outbox, &broker, &receiver.endpoint()));
+    command.args(["replay", "--tenant", "a", "--from-id", &child.to_string()]);
+    // Off the test's runtime thread: the receiver runs on it.
+    let output = tokio::task::spawn_blocking(move || command.output().expect("replay runs"))
+        .await
+        .expect("joined");
+    assert_eq!(
+        output.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    eventually("4 messages consumed", Duration::from_secs(20), || {
+        let n = broker.count();
+        async move { n == 4 }
+    })
+    .await;
+    // The replay flushed its spans as it ended.
+    let replayed: Vec<Received> = broker
+        .received()
+        .into_iter()
+        .filter(|m| m.header("outbox-replay") == Some(&AMQPValue::Boolean(true)))
+        .collect();
+    assert_eq!(replayed.len(), 2);
+    for (id, parent) in [(child, Some(PARENT_ID)), (root, None)] {
+        let spans = receiver.of_row(id);
+        assert_eq!(
+            spans.len(),
+            1,
+            "row {id}: one span, the replay's: {spans:?}"
+        );
+        let span = &spans[0].span;
+        assert_eq!(span.kind, SpanKind::Producer as i32);
+        assert_eq!(span.name, format!("publish {}", broker.exchange));
+        assert_eq!(
+            attribute(span, "messaging.message.id"),
+            Some(id.to_string())
+        );
+        match parent {
+            Some(parent) => {
+                assert_eq!(hex(&span.trace_id), TRACE_ID);
+                assert_eq!(hex(&span.parent_span_id), parent);
+            }
+            None => assert!(span.parent_span_id.is_empty(), "a root span"),
+        }
+        let message = replayed.iter().find(|m| m.id == id).expect("replayed");
+        assert_eq!(
+            text_header(message, "traceparent"),
+            Some(format!(
+                "00-{}-{}-01",
+                hex(&span.trace_id),
+                hex(&span.span_id)
+            ))
+        );
+    }
+}
+
+#[tokio::test]
 async fn a_black_hole_endpoint_drops_spans_counted_and_holds_up_no_row() {
     let outbox = Outbox::create().await;
     let broker = Broker::create(&["a.#"]).await;
