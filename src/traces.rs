@@ -110,15 +110,28 @@ const PUBLISH: &str = "publish ";
 
 /// `publish <exchange>`, made once per exchange and kept for the process: a
 /// span's name and attributes are either `'static` or allocated for each
-/// span, and a relay publishes to one exchange.
+/// span, and a relay publishes to one exchange. The thread's last answer is
+/// kept beside it, so a row's span looks up no map.
 fn publish_name(exchange: &str) -> &'static str {
-    static NAMES: LazyLock<Mutex<HashMap<String, &'static str>>> = LazyLock::new(Mutex::default);
-    let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(name) = names.get(exchange) {
+    thread_local! {
+        static LAST: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
+    }
+    if let Some(name) = LAST.get()
+        && &name[PUBLISH.len()..] == exchange
+    {
         return name;
     }
-    let name: &'static str = Box::leak(format!("{PUBLISH}{exchange}").into_boxed_str());
-    names.insert(exchange.to_owned(), name);
+    static NAMES: LazyLock<Mutex<HashMap<String, &'static str>>> = LazyLock::new(Mutex::default);
+    let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
+    let name = match names.get(exchange) {
+        Some(name) => name,
+        None => {
+            let name: &'static str = Box::leak(format!("{PUBLISH}{exchange}").into_boxed_str());
+            names.insert(exchange.to_owned(), name);
+            name
+        }
+    };
+    LAST.set(Some(name));
     name
 }
 
@@ -261,6 +274,9 @@ mod tests {
         assert_eq!(orders, "publish orders");
         assert!(std::ptr::eq(orders, publish_name("orders")));
         assert_eq!(publish_name("audit"), "publish audit");
+        assert!(std::ptr::eq(orders, publish_name("orders")));
+        assert_eq!(publish_name("order"), "publish order");
+        assert_eq!(publish_name(""), "publish ");
         assert_eq!(&orders[PUBLISH.len()..], "orders");
     }
 }

@@ -296,17 +296,24 @@ fn fixed32(buf: &mut Vec<u8>, field: u32, value: u32) {
 }
 
 /// An embedded message: `write` appends its fields, then its length is
-/// put in front of them (a rotate of what it wrote: the length is known
-/// only after).
+/// put in front of them. One byte is kept for it beforehand, which is all
+/// a message under 128 bytes needs (nearly all of them: an attribute, a
+/// value, a span's status); a longer one has the rest of its length put in
+/// by moving what it wrote (a span, a batch's scope: a few per batch).
 fn message(buf: &mut Vec<u8>, field: u32, write: impl FnOnce(&mut Vec<u8>)) {
     tag(buf, field, LEN);
-    let start = buf.len();
+    let at = buf.len();
+    buf.push(0);
     write(buf);
-    let len = buf.len() - start;
-    let before = buf.len();
-    varint(buf, len as u64);
-    let prefix = buf.len() - before;
-    buf[start..].rotate_right(prefix);
+    let len = buf.len() - at - 1;
+    if len < 0x80 {
+        buf[at] = len as u8;
+        return;
+    }
+    let mut prefix = Vec::with_capacity(10);
+    varint(&mut prefix, len as u64);
+    buf[at] = prefix[0];
+    buf.splice(at + 1..at + 1, prefix[1..].iter().copied());
 }
 
 /// What an endpoint's answer (`ExportTraceServiceResponse`) says it

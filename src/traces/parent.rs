@@ -47,14 +47,25 @@ impl TraceParent {
         })
     }
 
-    /// The header's text, version `00`.
+    /// The header's text, version `00` (written digit by digit: it is made
+    /// for every row whose span is sampled).
     pub fn header(&self) -> String {
-        format!(
-            "00-{:032x}-{:016x}-{:02x}",
-            self.trace_id,
-            self.span_id,
-            u8::from(self.sampled)
-        )
+        let mut text = String::with_capacity(55);
+        text.push_str("00-");
+        push_hex(&mut text, &self.trace_id.to_be_bytes());
+        text.push('-');
+        push_hex(&mut text, &self.span_id.to_be_bytes());
+        text.push_str(if self.sampled { "-01" } else { "-00" });
+        text
+    }
+}
+
+/// `bytes` in lower-case hex, two digits each.
+fn push_hex(text: &mut String, bytes: &[u8]) {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    for byte in bytes {
+        text.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        text.push(char::from(DIGITS[usize::from(byte & 0xf)]));
     }
 }
 
