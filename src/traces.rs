@@ -13,41 +13,50 @@
 //! Nothing else of the relay's is a span: not a poll, not a sweep, not the
 //! exporter's own HTTP calls.
 //!
-//! Exporting never holds up relaying (see `export`): spans queue, bounded,
-//! for the batch processor's thread; what cannot be exported is dropped and
-//! counted in `outbox_trace_spans_dropped_total`.
+//! The spans are the relay's own, not an SDK's: the sampling decision (the
+//! OpenTelemetry samplers', see `settings`) and the ids are made as the
+//! row's message is built, and a sampled span is written as its OTLP bytes
+//! from the start (see `otlp`), so nothing is copied, grouped or encoded
+//! again later. Exporting never holds up relaying (see `export`): finished
+//! spans queue, bounded, for the export thread; what cannot be exported is
+//! dropped and counted in `outbox_trace_spans_dropped_total`.
 
 mod export;
+mod ids;
 mod otlp;
 mod parent;
 mod sender;
 mod settings;
 
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, Mutex, OnceLock};
 use std::time::{Duration, SystemTime};
 
-use opentelemetry::trace::{
-    SpanContext, SpanId, SpanKind, Status, TraceContextExt, TraceFlags, TraceId, TraceState,
-    Tracer, TracerProvider,
-};
-use opentelemetry::{Context, KeyValue};
-use opentelemetry_sdk::trace::{SdkTracer, SdkTracerProvider};
+use opentelemetry::trace::TraceState;
 use prometheus::IntCounter;
 
 pub use parent::TraceParent;
 pub use settings::{Export, Sampling, Settings, SettingsError};
 
-/// The tracer of a relay whose tracing is on (set once, by [`install`]).
-static TRACER: OnceLock<SdkTracer> = OnceLock::new();
+/// The instrumentation scope the spans are exported under.
+const SCOPE: &str = "outbox-relay";
+
+/// What a relay whose tracing is on needs per row (set once, by
+/// [`install`]).
+#[derive(Debug)]
+struct Tracer {
+    sampling: Sampling,
+    queue: Arc<export::Queue>,
+}
+
+static TRACER: OnceLock<Tracer> = OnceLock::new();
 
 /// `outbox_trace_spans_dropped_total`: one counter for the process, as the
 /// tracer is; every relay's `/metrics` shows it.
 static SPANS_DROPPED: LazyLock<IntCounter> = LazyLock::new(|| {
     IntCounter::new(
         "outbox_trace_spans_dropped_total",
-        "Spans that never reached the OTLP endpoint: the export queue was full (OTEL_BSP_MAX_QUEUE_SIZE), or their export failed or timed out.",
+        "Spans that never reached the OTLP endpoint: the export queue was full (OTEL_BSP_MAX_QUEUE_SIZE), their export failed or timed out, or the endpoint rejected them.",
     )
     .expect("valid metric")
 });
@@ -69,8 +78,7 @@ pub enum InstallError {
 /// Tracing that runs: [`Exporting::shutdown`] flushes it at the end.
 #[derive(Debug)]
 pub struct Exporting {
-    provider: SdkTracerProvider,
-    queue: Arc<export::Queue>,
+    exporter: export::Exporter,
 }
 
 /// Starts exporting as `settings` say: `None` when tracing is off. Call it
@@ -79,65 +87,70 @@ pub fn install(settings: &Settings) -> Result<Option<Exporting>, InstallError> {
     let Settings::On(export) = settings else {
         return Ok(None);
     };
-    let (provider, queue) = export::provider(export, spans_dropped().clone())?;
-    TRACER
-        .set(provider.tracer("outbox-relay"))
-        .map_err(|_| InstallError::Twice)?;
-    Ok(Some(Exporting { provider, queue }))
+    let exporter = export::start(export, spans_dropped().clone())?;
+    let tracer = Tracer {
+        sampling: export.sampling.clone(),
+        queue: exporter.queue.clone(),
+    };
+    TRACER.set(tracer).map_err(|_| InstallError::Twice)?;
+    Ok(Some(Exporting { exporter }))
 }
 
 impl Exporting {
-    /// Exports what is queued and stops, within `within`, on a thread of its
-    /// own (never the runtime's); what is left then is counted as dropped.
+    /// Exports what is queued and stops, within `within` (the export runs
+    /// on its own thread, never the runtime's); what is left then is
+    /// counted as dropped.
     pub fn shutdown(self, within: Duration) {
-        let Exporting { provider, queue } = self;
-        let (done, finished) = std::sync::mpsc::channel();
-        let flush = std::thread::Builder::new()
-            .name("otel-shutdown".into())
-            .spawn(move || {
-                let _ = provider.shutdown_with_timeout(within);
-                let _ = done.send(());
-            });
-        if flush.is_ok() {
-            let _ = finished.recv_timeout(within + Duration::from_millis(100));
-        }
-        spans_dropped().inc_by(queue.left() as u64);
+        self.exporter.shutdown(within);
     }
-}
-
-/// The start of a publish span's name.
-const PUBLISH: &str = "publish ";
-
-/// `publish <exchange>`, made once per exchange and kept for the process: a
-/// span's name and attributes are either `'static` or allocated for each
-/// span, and a relay publishes to one exchange. The thread's last answer is
-/// kept beside it, so a row's span looks up no map.
-fn publish_name(exchange: &str) -> &'static str {
-    thread_local! {
-        static LAST: std::cell::Cell<Option<&'static str>> = const { std::cell::Cell::new(None) };
-    }
-    if let Some(name) = LAST.get()
-        && &name[PUBLISH.len()..] == exchange
-    {
-        return name;
-    }
-    static NAMES: LazyLock<Mutex<HashMap<String, &'static str>>> = LazyLock::new(Mutex::default);
-    let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
-    let name = match names.get(exchange) {
-        Some(name) => name,
-        None => {
-            let name: &'static str = Box::leak(format!("{PUBLISH}{exchange}").into_boxed_str());
-            names.insert(exchange.to_owned(), name);
-            name
-        }
-    };
-    LAST.set(Some(name));
-    name
 }
 
 /// Whether rows get spans (tracing was installed).
 pub fn enabled() -> bool {
     TRACER.get().is_some()
+}
+
+/// The start of a publish span's name.
+const PUBLISH: &str = "publish ";
+
+/// What every span to one exchange shares.
+#[derive(Debug, Clone, Copy)]
+struct Named {
+    /// `publish <exchange>`.
+    name: &'static str,
+    /// The attributes that never change for the exchange, as OTLP bytes.
+    constant: &'static [u8],
+}
+
+/// The span name and constant attributes of `exchange`, made once per
+/// exchange and kept for the process (a relay publishes to one). The
+/// thread's last answer is kept beside them, so a row's span looks up no
+/// map.
+fn named(exchange: &str) -> Named {
+    thread_local! {
+        static LAST: std::cell::Cell<Option<Named>> = const { std::cell::Cell::new(None) };
+    }
+    if let Some(named) = LAST.get()
+        && &named.name[PUBLISH.len()..] == exchange
+    {
+        return named;
+    }
+    static NAMES: LazyLock<Mutex<HashMap<String, Named>>> = LazyLock::new(Mutex::default);
+    let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
+    let named = *names.entry(exchange.to_owned()).or_insert_with(|| Named {
+        name: Box::leak(format!("{PUBLISH}{exchange}").into_boxed_str()),
+        constant: Box::leak(
+            otlp::constant(&[
+                ("messaging.system", "rabbitmq"),
+                ("messaging.operation.type", "send"),
+                ("messaging.operation.name", "publish"),
+                ("messaging.destination.name", exchange),
+            ])
+            .into_boxed_slice(),
+        ),
+    });
+    LAST.set(Some(named));
+    named
 }
 
 /// What a row's span says of it.
@@ -153,114 +166,139 @@ pub struct Publish<'a> {
     pub delay_ms: i64,
 }
 
-/// The span of one row being published, from the publish to its confirm.
+/// The span of one row being published, from the publish to its confirm:
+/// always a sampled one (a row that is not sampled has none). Dropped
+/// without an end, it ends then, its status unset.
 #[derive(Debug)]
 pub struct PublishSpan {
-    span: opentelemetry_sdk::trace::Span,
+    /// Its OTLP fields so far; `None` once it ended.
+    record: Option<Vec<u8>>,
+    trace_id: u128,
+    span_id: u64,
+    /// The row's valid `tracestate`, carried on ("" for none).
+    trace_state: String,
+    /// Its parent is the row's `traceparent`.
+    remote_parent: bool,
 }
 
 impl PublishSpan {
     /// Starts the span of a row, child of its trace context (its
     /// `traceparent` and `tracestate` header values, if it had any); `None`
-    /// when tracing is off.
+    /// when tracing is off or the row is not sampled.
     pub fn start(
         publish: Publish<'_>,
         traceparent: Option<&str>,
         tracestate: Option<&str>,
     ) -> Option<PublishSpan> {
         let tracer = TRACER.get()?;
-        let parent = match traceparent.and_then(TraceParent::parse) {
-            Some(parent) => {
-                let state = tracestate
-                    .and_then(|s| s.parse::<TraceState>().ok())
-                    .unwrap_or_default();
-                let flags = if parent.sampled {
-                    TraceFlags::SAMPLED
-                } else {
-                    TraceFlags::default()
-                };
-                Context::new().with_remote_span_context(SpanContext::new(
-                    TraceId::from(parent.trace_id),
-                    SpanId::from_bytes(parent.span_id.to_be_bytes()),
-                    flags,
-                    true,
-                    state,
-                ))
-            }
-            None => Context::new(),
+        let parent = traceparent.and_then(TraceParent::parse);
+        let trace_id = parent.map_or_else(ids::trace_id, |parent| parent.trace_id);
+        if !tracer
+            .sampling
+            .samples(parent.map(|parent| parent.sampled), trace_id)
+        {
+            return None;
+        }
+        let trace_state = match (parent, tracestate) {
+            (Some(_), Some(state)) => state
+                .parse::<TraceState>()
+                .map(|state| state.header())
+                .unwrap_or_default(),
+            _ => String::new(),
         };
+        let span_id = ids::span_id();
         let exchange = if publish.exchange.is_empty() {
             "amq.default"
         } else {
             publish.exchange
         };
-        let name = publish_name(exchange);
-        let span = tracer
-            .span_builder(name)
-            .with_kind(SpanKind::Producer)
-            .with_attributes([
-                KeyValue::new("messaging.system", "rabbitmq"),
-                KeyValue::new("messaging.operation.type", "send"),
-                KeyValue::new("messaging.operation.name", "publish"),
-                KeyValue::new("messaging.destination.name", &name[PUBLISH.len()..]),
-                KeyValue::new(
-                    "messaging.rabbitmq.destination.routing_key",
-                    publish.routing_key.to_string(),
-                ),
-                KeyValue::new("messaging.message.id", publish.message_id.to_string()),
-                KeyValue::new("outbox.tenant_id", publish.tenant.to_string()),
-                KeyValue::new("outbox.kind", publish.kind.to_string()),
-                KeyValue::new("outbox.delay_ms", publish.delay_ms),
-            ])
-            .start_with_context(tracer, &parent);
-        Some(PublishSpan { span })
-    }
-
-    fn context(&self) -> &SpanContext {
-        opentelemetry::trace::Span::span_context(&self.span)
+        let named = named(exchange);
+        let variable = publish.routing_key.len()
+            + publish.message_id.len()
+            + publish.tenant.len()
+            + publish.kind.len();
+        let mut record = Vec::with_capacity(
+            160 + named.name.len() + named.constant.len() + trace_state.len() + variable + 128,
+        );
+        otlp::open(
+            &mut record,
+            &otlp::Opening {
+                trace_id,
+                span_id,
+                trace_state: &trace_state,
+                parent_span_id: parent.map(|parent| parent.span_id),
+                name: named.name,
+                start: SystemTime::now(),
+            },
+        );
+        record.extend_from_slice(named.constant);
+        for (key, value) in [
+            (
+                "messaging.rabbitmq.destination.routing_key",
+                publish.routing_key,
+            ),
+            ("messaging.message.id", publish.message_id),
+            ("outbox.tenant_id", publish.tenant),
+            ("outbox.kind", publish.kind),
+        ] {
+            otlp::attribute_str(&mut record, 9, key, value);
+        }
+        otlp::attribute_i64(&mut record, "outbox.delay_ms", publish.delay_ms);
+        Some(PublishSpan {
+            record: Some(record),
+            trace_id,
+            span_id,
+            trace_state,
+            remote_parent: parent.is_some(),
+        })
     }
 
     /// The `traceparent` and `tracestate` the message carries instead of
-    /// the row's: the span's own, when it is sampled; `None` otherwise (the
-    /// row's own headers stay).
+    /// the row's: the span's own.
     pub fn headers(&self) -> Option<(String, String)> {
-        let context = self.context();
-        if !context.is_sampled() {
-            return None;
-        }
         let traceparent = TraceParent {
-            trace_id: u128::from_be_bytes(context.trace_id().to_bytes()),
-            span_id: u64::from_be_bytes(context.span_id().to_bytes()),
+            trace_id: self.trace_id,
+            span_id: self.span_id,
             sampled: true,
         };
-        Some((traceparent.header(), context.trace_state().header()))
+        Some((traceparent.header(), self.trace_state.clone()))
     }
 
     /// The ids a log line under this span carries: trace id and span id, in
-    /// hex as the exporter writes them. `None` when the span is not sampled.
+    /// lower-case hex as the exporter writes them.
     pub fn ids(&self) -> Option<(String, String)> {
-        let context = self.context();
-        context.is_sampled().then(|| {
-            (
-                context.trace_id().to_string(),
-                context.span_id().to_string(),
-            )
-        })
+        Some((
+            format!("{:032x}", self.trace_id),
+            format!("{:016x}", self.span_id),
+        ))
     }
 
     /// The broker confirmed the row at `at`.
     pub fn confirmed(mut self, at: SystemTime) {
-        opentelemetry::trace::Span::end_with_timestamp(&mut self.span, at);
+        self.end(at, None);
     }
 
     /// The row was not published: `reason` (e.g. `unroutable`) and its
     /// detail, which holds no payload nor header value.
     pub fn refused(mut self, reason: &str, detail: &str) {
-        opentelemetry::trace::Span::set_status(
-            &mut self.span,
-            Status::error(Cow::Owned(format!("{reason}: {detail}"))),
-        );
-        opentelemetry::trace::Span::end(&mut self.span);
+        self.end(SystemTime::now(), Some(&format!("{reason}: {detail}")));
+    }
+
+    /// Writes the span's last fields and queues it for export.
+    fn end(&mut self, at: SystemTime, error: Option<&str>) {
+        let Some(mut record) = self.record.take() else {
+            return;
+        };
+        otlp::close(&mut record, at, error, self.remote_parent);
+        if let Some(tracer) = TRACER.get() {
+            tracer.queue.push(&record);
+        }
+    }
+}
+
+impl Drop for PublishSpan {
+    fn drop(&mut self) {
+        self.end(SystemTime::now(), None);
     }
 }
 
@@ -270,13 +308,14 @@ mod tests {
 
     #[test]
     fn a_span_name_is_made_once_per_exchange() {
-        let orders = publish_name("orders");
-        assert_eq!(orders, "publish orders");
-        assert!(std::ptr::eq(orders, publish_name("orders")));
-        assert_eq!(publish_name("audit"), "publish audit");
-        assert!(std::ptr::eq(orders, publish_name("orders")));
-        assert_eq!(publish_name("order"), "publish order");
-        assert_eq!(publish_name(""), "publish ");
-        assert_eq!(&orders[PUBLISH.len()..], "orders");
+        let orders = named("orders");
+        assert_eq!(orders.name, "publish orders");
+        assert!(std::ptr::eq(orders.name, named("orders").name));
+        assert_eq!(named("audit").name, "publish audit");
+        assert!(std::ptr::eq(orders.name, named("orders").name));
+        assert!(std::ptr::eq(orders.constant, named("orders").constant));
+        assert_eq!(named("order").name, "publish order");
+        assert_eq!(named("").name, "publish ");
+        assert_ne!(named("audit").constant, orders.constant);
     }
 }

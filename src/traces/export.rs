@@ -1,157 +1,187 @@
-//! The way out for spans: the SDK's batch processor, on a thread of its
-//! own, hands batches to the OTLP/HTTP exporter (`sender`) and its blocking
-//! client; the relay's runtime thread only queues a finished span. What
-//! never reached the collector is counted in
-//! `outbox_trace_spans_dropped_total` (the SDK keeps its own count private):
-//! a thin wrapper of the processor drops a span, and counts it, when the
-//! queue holds `OTEL_BSP_MAX_QUEUE_SIZE` spans already (so the SDK's own
-//! queue, of the same size, never drops one uncounted), and the exporter
-//! counts every span of a batch that failed (unreachable, slow or
-//! black-hole endpoint) or that the endpoint rejected ([`Losses`]).
+//! The way out for spans: a finished span is already its OTLP bytes (see
+//! `otlp`); the sweeping thread appends them to a bounded queue, and the
+//! export thread, of its own, takes what is queued every
+//! `OTEL_BSP_SCHEDULE_DELAY` (or as soon as a batch's worth is there) and
+//! POSTs it (see `sender`). Encoding and HTTP never run on the relay's
+//! runtime thread.
+//!
+//! What never reaches the collector is counted in
+//! `outbox_trace_spans_dropped_total`: a span that finds the queue holding
+//! `OTEL_BSP_MAX_QUEUE_SIZE` spans already, every span of an export that
+//! failed (unreachable, slow or black-hole endpoint) or that the endpoint
+//! answers it rejected, and what is still queued when shutdown's time is up.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use opentelemetry::{Context, KeyValue};
-use opentelemetry_sdk::Resource;
-use opentelemetry_sdk::error::OTelSdkResult;
-use opentelemetry_sdk::trace::{
-    BatchConfigBuilder, BatchSpanProcessor, Sampler, SdkTracerProvider, Span, SpanData,
-    SpanProcessor,
-};
 use prometheus::IntCounter;
 
-use super::otlp::Rejected;
+use super::otlp::{self, Rejected};
 use super::sender::{BuildError, OtlpHttp};
-use super::settings::{Export, MAX_EXPORT_BATCH, Sampling};
+use super::settings::{Export, MAX_EXPORT_BATCH};
 use crate::redact::redact_urls_in;
 
-/// Spans finished and not yet handed to the exporter: the queue's length,
-/// or a little more (the batch being gathered), never less.
-#[derive(Debug, Default)]
+/// Finished spans waiting for the export thread.
+#[derive(Debug)]
 pub struct Queue {
-    queued: AtomicUsize,
+    pending: Mutex<Pending>,
+    /// Signalled when a batch's worth is queued, and at shutdown.
+    ready: Condvar,
+    capacity: usize,
+    batch: usize,
+    /// Spans taken by an export still under way.
+    exporting: AtomicUsize,
+    dropped: IntCounter,
+}
+
+#[derive(Debug, Default)]
+struct Pending {
+    /// The spans, each a `ScopeSpans.spans` field (see `otlp::push_span`).
+    spans: Vec<u8>,
+    count: usize,
+    closing: bool,
 }
 
 impl Queue {
-    /// Spans that were waiting when exporting stopped.
-    pub fn left(&self) -> usize {
-        self.queued.load(Ordering::Relaxed)
-    }
-}
-
-/// The provider for `export`: a bounded queue, a batch processor thread,
-/// the OTLP/HTTP exporter. Built outside any Tokio runtime (the blocking
-/// client owns one of its own).
-pub fn provider(
-    export: &Export,
-    dropped: IntCounter,
-) -> Result<(SdkTracerProvider, Arc<Queue>), BuildError> {
-    let queue = Arc::new(Queue::default());
-    let losses = Losses {
-        queue: queue.clone(),
-        dropped: dropped.clone(),
-        failures: Mutex::new(Failures::default()),
-    };
-    let exporter = OtlpHttp::new(export, losses)?;
-    let batches = BatchConfigBuilder::default()
-        .with_max_queue_size(export.max_queue_size)
-        .with_max_export_batch_size(MAX_EXPORT_BATCH.min(export.max_queue_size))
-        .with_scheduled_delay(export.schedule_delay)
-        .build();
-    let processor = BoundedProcessor {
-        inner: BatchSpanProcessor::builder(exporter)
-            .with_batch_config(batches)
-            .build(),
-        queue: queue.clone(),
-        capacity: export.max_queue_size,
-        dropped,
-    };
-    let resource = Resource::builder_empty()
-        .with_service_name(export.service_name.clone())
-        .with_attributes(
-            export
-                .resource
-                .iter()
-                .map(|(key, value)| KeyValue::new(key.clone(), value.clone())),
-        )
-        .build();
-    let provider = SdkTracerProvider::builder()
-        .with_span_processor(processor)
-        .with_sampler(sampler(&export.sampling))
-        .with_resource(resource)
-        .build();
-    Ok((provider, queue))
-}
-
-fn sampler(sampling: &Sampling) -> Sampler {
-    match sampling {
-        Sampling::AlwaysOn => Sampler::AlwaysOn,
-        Sampling::AlwaysOff => Sampler::AlwaysOff,
-        Sampling::Ratio(ratio) => Sampler::TraceIdRatioBased(*ratio),
-        Sampling::ParentBased(root) => Sampler::ParentBased(Box::new(sampler(root))),
-    }
-}
-
-/// The batch processor, behind a count that bounds its queue.
-#[derive(Debug)]
-struct BoundedProcessor {
-    inner: BatchSpanProcessor,
-    queue: Arc<Queue>,
-    capacity: usize,
-    dropped: IntCounter,
-}
-
-impl SpanProcessor for BoundedProcessor {
-    fn on_start(&self, span: &mut Span, cx: &Context) {
-        self.inner.on_start(span, cx);
+    fn new(capacity: usize, dropped: IntCounter) -> Queue {
+        Queue {
+            pending: Mutex::default(),
+            ready: Condvar::new(),
+            capacity,
+            batch: MAX_EXPORT_BATCH.min(capacity),
+            exporting: AtomicUsize::new(0),
+            dropped,
+        }
     }
 
-    fn on_end(&self, span: SpanData) {
-        if self.queue.queued.fetch_add(1, Ordering::Relaxed) >= self.capacity {
-            self.queue.queued.fetch_sub(1, Ordering::Relaxed);
+    fn lock(&self) -> MutexGuard<'_, Pending> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues a finished span, or drops it (counted) when the queue is full.
+    pub fn push(&self, span: &[u8]) {
+        let mut pending = self.lock();
+        if pending.count >= self.capacity {
+            drop(pending);
             self.dropped.inc();
             return;
         }
-        self.inner.on_end(span);
+        otlp::push_span(&mut pending.spans, span);
+        pending.count += 1;
+        if pending.count == self.batch {
+            self.ready.notify_one();
+        }
     }
 
-    fn force_flush(&self) -> OTelSdkResult {
-        self.inner.force_flush()
+    /// Waits until a batch's worth is queued, `delay` has passed, or
+    /// shutdown began; then takes what is queued (the spans, how many, and
+    /// whether this is the last take).
+    fn take(&self, delay: Duration) -> (Vec<u8>, usize, bool) {
+        let deadline = Instant::now() + delay;
+        let mut pending = self.lock();
+        while pending.count < self.batch && !pending.closing {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            pending = self
+                .ready
+                .wait_timeout(pending, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        let count = std::mem::take(&mut pending.count);
+        self.exporting.store(count, Ordering::Relaxed);
+        let spans = std::mem::take(&mut pending.spans);
+        (spans, count, pending.closing)
     }
 
-    fn shutdown_with_timeout(&self, timeout: Duration) -> OTelSdkResult {
-        self.inner.shutdown_with_timeout(timeout)
+    fn close(&self) {
+        self.lock().closing = true;
+        self.ready.notify_one();
     }
 
-    fn set_resource(&mut self, resource: &Resource) {
-        self.inner.set_resource(resource);
+    /// Spans not yet exported: queued, or in an export under way.
+    pub fn left(&self) -> usize {
+        self.lock().count + self.exporting.load(Ordering::Relaxed)
+    }
+}
+
+/// The export thread and its queue.
+#[derive(Debug)]
+pub struct Exporter {
+    pub queue: Arc<Queue>,
+    /// Told when the export thread has ended.
+    ended: std::sync::mpsc::Receiver<()>,
+}
+
+/// Starts exporting as `export` says: the queue spans go to, and the
+/// thread that sends them. Called outside any Tokio runtime (the blocking
+/// client owns one of its own).
+pub fn start(export: &Export, dropped: IntCounter) -> Result<Exporter, BuildError> {
+    let sender = OtlpHttp::new(export)?;
+    let queue = Arc::new(Queue::new(export.max_queue_size, dropped.clone()));
+    let resource = otlp::resource(&export.service_name, &export.resource);
+    let scope = otlp::scope(super::SCOPE, env!("CARGO_PKG_VERSION"));
+    let losses = Losses {
+        dropped,
+        failures: Mutex::new(Failures::default()),
+    };
+    let (done, ended) = std::sync::mpsc::channel();
+    let delay = export.schedule_delay;
+    let exporting = queue.clone();
+    std::thread::Builder::new()
+        .name("otel-export".into())
+        .spawn(move || {
+            loop {
+                let (spans, count, last) = exporting.take(delay);
+                if count > 0 {
+                    let body = otlp::export_request(&resource, &scope, &spans);
+                    drop(spans);
+                    match sender.post(body) {
+                        Ok(None) => {}
+                        Ok(Some(rejected)) => losses.rejected(&rejected),
+                        Err(error) => losses.failed(count, &error),
+                    }
+                    exporting.exporting.store(0, Ordering::Relaxed);
+                }
+                if last {
+                    break;
+                }
+            }
+            let _ = done.send(());
+        })
+        .map_err(BuildError::Thread)?;
+    Ok(Exporter { queue, ended })
+}
+
+impl Exporter {
+    /// Exports what is queued and stops, within `within`; what is left then
+    /// is counted as dropped.
+    pub fn shutdown(self, within: Duration) {
+        self.queue.close();
+        if self.ended.recv_timeout(within).is_err() {
+            self.queue.dropped.inc_by(self.queue.left() as u64);
+        }
     }
 }
 
 /// How often, at most, a failing export is logged.
 const FAILURE_LOG_EVERY: Duration = Duration::from_secs(60);
 
-/// What the exporter tells of the spans it was handed: taken off the
-/// queue, and those that never reached the collector, counted and said in
-/// the log (the first failure, then at most once every
-/// [`FAILURE_LOG_EVERY`] while they go on).
+/// Spans that never reached the collector, counted and said in the log
+/// (the first failure, then at most once every [`FAILURE_LOG_EVERY`] while
+/// they go on).
 #[derive(Debug)]
-pub struct Losses {
-    queue: Arc<Queue>,
+struct Losses {
     dropped: IntCounter,
     failures: Mutex<Failures>,
 }
 
 impl Losses {
-    /// `spans` left the queue for an export.
-    pub fn taken(&self, spans: usize) {
-        self.queue.queued.fetch_sub(spans, Ordering::Relaxed);
-    }
-
     /// An export of `spans` failed with `error`.
-    pub fn failed(&self, spans: usize, error: &str) {
+    fn failed(&self, spans: usize, error: &str) {
         self.dropped.inc_by(spans as u64);
         if let Some(dropped) = self.due(spans) {
             // The error may quote the endpoint: without its password.
@@ -164,7 +194,7 @@ impl Losses {
     }
 
     /// The endpoint took an export but rejected some of its spans.
-    pub fn rejected(&self, rejected: &Rejected) {
+    fn rejected(&self, rejected: &Rejected) {
         self.dropped.inc_by(rejected.spans);
         let spans = usize::try_from(rejected.spans).unwrap_or(usize::MAX);
         if let Some(dropped) = self.due(spans) {
@@ -224,5 +254,41 @@ mod tests {
             Some(613)
         );
         assert_eq!(failures.failed(1, start + Duration::from_secs(61)), None);
+    }
+
+    fn counter() -> IntCounter {
+        IntCounter::new("dropped", "test").unwrap()
+    }
+
+    #[test]
+    fn the_queue_holds_its_capacity_and_counts_what_it_drops() {
+        let dropped = counter();
+        let queue = Queue::new(3, dropped.clone());
+        for span in [b"a", b"b", b"c", b"d", b"e"] {
+            queue.push(span);
+        }
+        assert_eq!(dropped.get(), 2);
+        assert_eq!(queue.left(), 3);
+        // A full batch (the capacity, here) is taken at once.
+        let (spans, count, last) = queue.take(Duration::from_secs(60));
+        assert_eq!((count, last), (3, false));
+        assert_eq!(spans, b"\x12\x01a\x12\x01b\x12\x01c");
+        assert_eq!(queue.left(), 3, "in the export under way");
+        queue.exporting.store(0, Ordering::Relaxed);
+        queue.push(b"f");
+        assert_eq!(queue.left(), 1);
+    }
+
+    #[test]
+    fn a_take_waits_for_the_delay_then_for_shutdown_no_more() {
+        let queue = Queue::new(100, counter());
+        queue.push(b"a");
+        let (spans, count, last) = queue.take(Duration::from_millis(20));
+        assert_eq!((spans.len(), count, last), (3, 1, false));
+        queue.close();
+        let started = Instant::now();
+        let (_, count, last) = queue.take(Duration::from_secs(60));
+        assert_eq!((count, last), (0, true));
+        assert!(started.elapsed() < Duration::from_secs(30));
     }
 }

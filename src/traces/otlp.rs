@@ -1,20 +1,13 @@
-//! The OTLP/HTTP request body for a batch of spans, an
-//! `ExportTraceServiceRequest` in protobuf, written straight from the SDK's
-//! span data into one buffer.
-//!
-//! The generic path (`opentelemetry-proto`'s messages, then `prost`) copies
-//! every span into owned messages first: a `String` for each attribute's key
-//! and value, a `Vec` for each id, a map to group the spans by scope. Most
-//! of what tracing cost the relay per row was that copy, so the body is
-//! written here field by field instead, in the order and with the values
-//! that path gives (a test decodes both and compares them). The messages
-//! are those of `opentelemetry/proto/trace/v1/trace.proto`,
-//! `common/v1/common.proto` and `resource/v1/resource.proto`.
+//! OTLP over HTTP in protobuf, written by hand: a publish span's fields as
+//! it starts and as it ends, and the `ExportTraceServiceRequest` around a
+//! batch of them. A span is bytes from its start: nothing of it is copied
+//! into owned messages, grouped or encoded again later, as the generic path
+//! (`opentelemetry-proto` and `prost`) does, at several thousand
+//! instructions per span. The messages are those of
+//! `opentelemetry/proto/trace/v1/trace.proto`, `common/v1/common.proto` and
+//! `resource/v1/resource.proto`; a test decodes what is written here with
+//! `opentelemetry-proto`.
 
-use opentelemetry::trace::{SpanId, SpanKind, Status, TraceFlags};
-use opentelemetry::{Array, InstrumentationScope, Key, KeyValue, StringValue, Value};
-use opentelemetry_sdk::Resource;
-use opentelemetry_sdk::trace::SpanData;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Protobuf wire types.
@@ -23,224 +16,136 @@ const FIXED64: u32 = 1;
 const LEN: u32 = 2;
 const FIXED32: u32 = 5;
 
-/// `SpanFlags`: the span's `is_remote` says something (always, here), and
-/// what: its parent was remote.
+/// `Span.SpanKind.SPAN_KIND_PRODUCER`.
+const PRODUCER: u64 = 4;
+/// `Status.StatusCode.STATUS_CODE_ERROR`.
+const STATUS_ERROR: u64 = 2;
+/// `SpanFlags`: the W3C sampled flag, and whether the parent's being remote
+/// is known (always, here) and true.
+const SAMPLED: u32 = 0x01;
 const HAS_IS_REMOTE: u32 = 0x100;
 const IS_REMOTE: u32 = 0x200;
 
-/// The resource of every span of the process, encoded once as a
-/// `ResourceSpans`' first fields (`resource`, and `schema_url` last).
-#[derive(Debug, Default, Clone)]
-pub struct EncodedResource {
-    resource: Vec<u8>,
-    schema_url: String,
+/// A `Resource` message's fields: `service.name` and the other attributes.
+pub fn resource(service_name: &str, attributes: &[(String, String)]) -> Vec<u8> {
+    let mut buf = Vec::new();
+    attribute_str(&mut buf, 1, "service.name", service_name);
+    for (key, value) in attributes {
+        attribute_str(&mut buf, 1, key, value);
+    }
+    buf
 }
 
-impl EncodedResource {
-    pub fn new(resource: &Resource) -> EncodedResource {
-        let mut attributes = Vec::new();
-        for (key, value) in resource.iter() {
-            message(&mut attributes, 1, |buf| key_value(buf, key, value));
-        }
-        EncodedResource {
-            resource: attributes,
-            schema_url: resource.schema_url().unwrap_or_default().to_owned(),
-        }
-    }
+/// An `InstrumentationScope` message's fields.
+pub fn scope(name: &str, version: &str) -> Vec<u8> {
+    let mut buf = Vec::new();
+    string(&mut buf, 1, name);
+    string(&mut buf, 2, version);
+    buf
 }
 
-/// The request body for `spans`: one `ResourceSpans` holding one
-/// `ScopeSpans` per instrumentation scope, in the order the scopes first
-/// appear.
-pub fn export_request(resource: &EncodedResource, spans: &[SpanData]) -> Vec<u8> {
-    let mut scopes: Vec<(&InstrumentationScope, Vec<u8>)> = Vec::new();
-    for data in spans {
-        let at = match scopes
-            .iter()
-            .position(|(scope, _)| *scope == &data.instrumentation_scope)
-        {
-            Some(at) => at,
-            None => {
-                scopes.push((
-                    &data.instrumentation_scope,
-                    Vec::with_capacity(spans.len() * 400),
-                ));
-                scopes.len() - 1
-            }
-        };
-        message(&mut scopes[at].1, 2, |buf| span(buf, data));
-    }
-    let mut body =
-        Vec::with_capacity(scopes.iter().map(|(_, s)| s.len() + 64).sum::<usize>() + 256);
+/// The request body for a batch: `spans` is the batch's spans, each written
+/// as a `ScopeSpans.spans` field (see [`push_span`]), all of one resource
+/// and one scope.
+pub fn export_request(resource: &[u8], scope: &[u8], spans: &[u8]) -> Vec<u8> {
+    let mut body = Vec::with_capacity(spans.len() + resource.len() + scope.len() + 32);
     message(&mut body, 1, |buf| {
-        message(buf, 1, |buf| buf.extend_from_slice(&resource.resource));
-        for (scope, spans) in &scopes {
-            message(buf, 2, |buf| {
-                message(buf, 1, |buf| instrumentation_scope(buf, scope));
-                buf.extend_from_slice(spans);
-                string(buf, 3, scope.schema_url().unwrap_or_default());
-            });
-        }
-        string(buf, 3, &resource.schema_url);
+        message(buf, 1, |buf| buf.extend_from_slice(resource));
+        message(buf, 2, |buf| {
+            message(buf, 1, |buf| buf.extend_from_slice(scope));
+            buf.extend_from_slice(spans);
+        });
     });
     body
 }
 
-/// One `Span`.
-fn span(buf: &mut Vec<u8>, data: &SpanData) {
-    let context = &data.span_context;
-    bytes(buf, 1, &context.trace_id().to_bytes());
-    bytes(buf, 2, &context.span_id().to_bytes());
-    string(buf, 3, &context.trace_state().header());
-    if data.parent_span_id != SpanId::INVALID {
-        bytes(buf, 4, &data.parent_span_id.to_bytes());
-    }
-    string(buf, 5, &data.name);
-    uint(buf, 6, kind(&data.span_kind));
-    fixed64(buf, 7, nanos(data.start_time));
-    fixed64(buf, 8, nanos(data.end_time));
-    for attribute in &data.attributes {
-        message(buf, 9, |buf| {
-            key_value(buf, &attribute.key, &attribute.value)
-        });
-    }
-    uint(buf, 10, data.dropped_attributes_count.into());
-    for event in data.events.iter() {
-        message(buf, 11, |buf| {
-            fixed64(buf, 1, nanos(event.timestamp));
-            string(buf, 2, &event.name);
-            attributes(buf, 3, &event.attributes);
-            uint(buf, 4, event.dropped_attributes_count.into());
-        });
-    }
-    uint(buf, 12, data.events.dropped_count.into());
-    for link in data.links.iter() {
-        message(buf, 13, |buf| {
-            let linked = &link.span_context;
-            bytes(buf, 1, &linked.trace_id().to_bytes());
-            bytes(buf, 2, &linked.span_id().to_bytes());
-            string(buf, 3, &linked.trace_state().header());
-            attributes(buf, 4, &link.attributes);
-            uint(buf, 5, link.dropped_attributes_count.into());
-            fixed32(buf, 6, flags(linked.trace_flags(), linked.is_remote()));
-        });
-    }
-    uint(buf, 14, data.links.dropped_count.into());
-    message(buf, 15, |buf| {
-        if let Status::Error { description } = &data.status {
-            string(buf, 2, description);
-        }
-        uint(buf, 3, status_code(&data.status));
-    });
-    fixed32(
-        buf,
-        16,
-        flags(context.trace_flags(), data.parent_span_is_remote),
-    );
+/// Appends one finished span's fields to a batch, as a `ScopeSpans.spans`
+/// field.
+pub fn push_span(batch: &mut Vec<u8>, span: &[u8]) {
+    tag(batch, 2, LEN);
+    length_delimited(batch, span);
 }
 
-/// `SpanFlags`: the W3C trace flags in the low byte, and whether the parent
-/// (or the linked span) was remote.
-fn flags(trace_flags: TraceFlags, remote: bool) -> u32 {
-    let mut flags = u32::from(trace_flags.to_u8()) | HAS_IS_REMOTE;
-    if remote {
+/// What a span holds from its start.
+pub struct Opening<'a> {
+    pub trace_id: u128,
+    pub span_id: u64,
+    /// The W3C `tracestate` header ("" for none).
+    pub trace_state: &'a str,
+    /// The remote parent's span id, if the span has one.
+    pub parent_span_id: Option<u64>,
+    pub name: &'a str,
+    pub start: SystemTime,
+}
+
+/// A span's fields known at its start, kind PRODUCER. Its attributes
+/// follow (see [`attribute_str`], [`attribute_i64`], [`constant`]), then
+/// [`close`].
+pub fn open(buf: &mut Vec<u8>, span: &Opening<'_>) {
+    bytes(buf, 1, &span.trace_id.to_be_bytes());
+    bytes(buf, 2, &span.span_id.to_be_bytes());
+    string(buf, 3, span.trace_state);
+    if let Some(parent) = span.parent_span_id {
+        bytes(buf, 4, &parent.to_be_bytes());
+    }
+    string(buf, 5, span.name);
+    uint(buf, 6, PRODUCER);
+    fixed64(buf, 7, nanos(span.start));
+}
+
+/// Attributes written once and copied into every span (those whose key and
+/// value never change for a name): `Span.attributes` fields.
+pub fn constant(attributes: &[(&str, &str)]) -> Vec<u8> {
+    let mut buf = Vec::new();
+    for (key, value) in attributes {
+        attribute_str(&mut buf, 9, key, value);
+    }
+    buf
+}
+
+/// A string attribute of a span (`field` 9), or of a resource (1).
+pub fn attribute_str(buf: &mut Vec<u8>, field: u32, key: &str, value: &str) {
+    message(buf, field, |buf| {
+        string(buf, 1, key);
+        message(buf, 2, |buf| {
+            // AnyValue.string_value: a oneof, written even when empty.
+            tag(buf, 1, LEN);
+            length_delimited(buf, value.as_bytes());
+        });
+    });
+}
+
+/// An integer attribute of a span.
+pub fn attribute_i64(buf: &mut Vec<u8>, key: &str, value: i64) {
+    message(buf, 9, |buf| {
+        string(buf, 1, key);
+        message(buf, 2, |buf| {
+            tag(buf, 3, VARINT);
+            varint(buf, value as u64);
+        });
+    });
+}
+
+/// A span's last fields: its end, its status (ERROR with `error`'s text, or
+/// unset), its flags (sampled; whether its parent was remote).
+pub fn close(buf: &mut Vec<u8>, end: SystemTime, error: Option<&str>, remote_parent: bool) {
+    fixed64(buf, 8, nanos(end));
+    message(buf, 15, |buf| {
+        if let Some(error) = error {
+            string(buf, 2, error);
+            uint(buf, 3, STATUS_ERROR);
+        }
+    });
+    let mut flags = SAMPLED | HAS_IS_REMOTE;
+    if remote_parent {
         flags |= IS_REMOTE;
     }
-    flags
-}
-
-/// `Span.SpanKind`.
-fn kind(kind: &SpanKind) -> u64 {
-    match kind {
-        SpanKind::Internal => 1,
-        SpanKind::Server => 2,
-        SpanKind::Client => 3,
-        SpanKind::Producer => 4,
-        SpanKind::Consumer => 5,
-    }
-}
-
-/// `Status.StatusCode`.
-fn status_code(status: &Status) -> u64 {
-    match status {
-        Status::Unset => 0,
-        Status::Ok => 1,
-        Status::Error { .. } => 2,
-    }
+    fixed32(buf, 16, flags);
 }
 
 fn nanos(time: SystemTime) -> u64 {
     time.duration_since(UNIX_EPOCH)
         .map_or(0, |since| since.as_nanos() as u64)
-}
-
-/// `InstrumentationScope`.
-fn instrumentation_scope(buf: &mut Vec<u8>, scope: &InstrumentationScope) {
-    string(buf, 1, scope.name());
-    string(buf, 2, scope.version().unwrap_or_default());
-    for attribute in scope.attributes() {
-        message(buf, 3, |buf| {
-            key_value(buf, &attribute.key, &attribute.value)
-        });
-    }
-}
-
-fn attributes(buf: &mut Vec<u8>, field: u32, attributes: &[KeyValue]) {
-    for attribute in attributes {
-        message(buf, field, |buf| {
-            key_value(buf, &attribute.key, &attribute.value)
-        });
-    }
-}
-
-/// `KeyValue`.
-fn key_value(buf: &mut Vec<u8>, key: &Key, value: &Value) {
-    string(buf, 1, key.as_str());
-    message(buf, 2, |buf| any_value(buf, value));
-}
-
-/// `AnyValue`: a oneof, so even a zero or an empty string is written.
-fn any_value(buf: &mut Vec<u8>, value: &Value) {
-    match value {
-        Value::Bool(value) => {
-            tag(buf, 2, VARINT);
-            varint(buf, u64::from(*value));
-        }
-        Value::I64(value) => {
-            tag(buf, 3, VARINT);
-            varint(buf, *value as u64);
-        }
-        Value::F64(value) => {
-            tag(buf, 4, FIXED64);
-            buf.extend_from_slice(&value.to_le_bytes());
-        }
-        Value::String(value) => {
-            tag(buf, 1, LEN);
-            length_delimited(buf, value.as_str().as_bytes());
-        }
-        Value::Array(array) => message(buf, 5, |buf| array_values(buf, array)),
-        // A kind of value this encoder does not know yet: its text.
-        other => {
-            tag(buf, 1, LEN);
-            length_delimited(buf, other.as_str().as_bytes());
-        }
-    }
-}
-
-/// `ArrayValue`: its `values`, each an `AnyValue`.
-fn array_values(buf: &mut Vec<u8>, array: &Array) {
-    fn each<T: Clone + Into<Value>>(buf: &mut Vec<u8>, values: &[T]) {
-        for value in values {
-            message(buf, 1, |buf| any_value(buf, &value.clone().into()));
-        }
-    }
-    match array {
-        Array::Bool(values) => each(buf, values),
-        Array::I64(values) => each(buf, values),
-        Array::F64(values) => each(buf, values),
-        Array::String(values) => each::<StringValue>(buf, values),
-        _ => {}
-    }
 }
 
 fn tag(buf: &mut Vec<u8>, field: u32, wire: u32) {
@@ -392,140 +297,147 @@ fn read_varint(buf: &mut &[u8]) -> Option<u64> {
 
 #[cfg(test)]
 mod tests {
-    use std::borrow::Cow;
     use std::time::Duration;
 
-    use opentelemetry::trace::{Event, Link, SpanContext, TraceId, TraceState};
-    use opentelemetry::{InstrumentationScope, KeyValue};
     use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
-    use opentelemetry_proto::transform::common::tonic::ResourceAttributesWithSchema;
-    use opentelemetry_proto::transform::trace::tonic::group_spans_by_resource_and_scope;
-    use opentelemetry_sdk::trace::{SpanEvents, SpanLinks};
+    use opentelemetry_proto::tonic::common::v1::any_value::Value;
+    use opentelemetry_proto::tonic::common::v1::{AnyValue, KeyValue};
+    use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
+    use opentelemetry_proto::tonic::trace::v1::status::StatusCode;
     use prost::Message;
 
     use super::*;
 
-    fn scope(name: &'static str) -> InstrumentationScope {
-        InstrumentationScope::builder(name)
-            .with_version("1.2.3")
-            .with_attributes([KeyValue::new("scope.flag", true)])
-            .build()
-    }
-
-    fn span(n: u64, scope: InstrumentationScope, remote_parent: bool) -> SpanData {
-        let at = UNIX_EPOCH + Duration::from_nanos(1_764_000_000_123_456_789 + n);
-        let state = TraceState::from_key_value([("vendor", "v1"), ("other", "x")]).unwrap();
-        let mut events = SpanEvents::default();
-        events.events.push(Event::new(
-            "retried",
-            at + Duration::from_millis(1),
-            vec![KeyValue::new("attempt", 2_i64)],
-            1,
-        ));
-        events.dropped_count = 2;
-        let mut links = SpanLinks::default();
-        links.links.push(Link::new(
-            SpanContext::new(
-                TraceId::from(7_u128),
-                SpanId::from(9),
-                TraceFlags::default(),
-                true,
-                state.clone(),
-            ),
-            vec![KeyValue::new("link.kind", "follows")],
-            0,
-        ));
-        SpanData {
-            span_context: SpanContext::new(
-                TraceId::from(0x0af7651916cd43dd8448eb211c80319c_u128 + u128::from(n)),
-                SpanId::from(0xb7ad6b7169203331 + n),
-                TraceFlags::SAMPLED,
-                false,
-                if n.is_multiple_of(2) {
-                    state.clone()
-                } else {
-                    TraceState::default()
-                },
-            ),
-            parent_span_id: if n == 0 {
-                SpanId::INVALID
-            } else {
-                SpanId::from(n)
-            },
-            parent_span_is_remote: remote_parent,
-            span_kind: [SpanKind::Producer, SpanKind::Internal, SpanKind::Consumer][n as usize % 3]
-                .clone(),
-            name: Cow::Borrowed("publish orders"),
-            start_time: at,
-            end_time: at + Duration::from_millis(3),
-            attributes: vec![
-                KeyValue::new("messaging.system", "rabbitmq"),
-                KeyValue::new("outbox.tenant_id", format!("tenant-{n}")),
-                KeyValue::new("outbox.delay_ms", -7_i64 + n as i64),
-                KeyValue::new("zero", 0_i64),
-                KeyValue::new("empty", ""),
-                KeyValue::new("ratio", 0.25),
-                KeyValue::new("no", false),
-                KeyValue::new(
-                    "list",
-                    Value::Array(Array::String(vec!["a".into(), "".into()])),
-                ),
-                KeyValue::new("ints", Value::Array(Array::I64(vec![1, -1, 0]))),
-            ],
-            dropped_attributes_count: n as u32,
-            events,
-            links,
-            status: match n % 3 {
-                0 => Status::error("unroutable: no queue bound"),
-                1 => Status::Ok,
-                _ => Status::Unset,
-            },
-            instrumentation_scope: scope,
+    fn text(key: &str, value: &str) -> KeyValue {
+        KeyValue {
+            key: key.into(),
+            value: Some(AnyValue {
+                value: Some(Value::StringValue(value.into())),
+            }),
+            ..Default::default()
         }
     }
 
-    #[test]
-    fn the_body_decodes_to_what_the_generic_encoding_gives() {
-        let resource = Resource::builder_empty()
-            .with_service_name("outbox-relay")
-            .with_attributes([KeyValue::new("deployment.environment", "prod")])
-            .build();
-        let spans = vec![
-            span(0, scope("outbox-relay"), false),
-            span(1, scope("other"), true),
-            span(2, scope("outbox-relay"), true),
-            span(3, scope("outbox-relay"), false),
-        ];
-        let ours = export_request(&EncodedResource::new(&resource), &spans);
-        let decoded = ExportTraceServiceRequest::decode(ours.as_slice()).expect("decodes");
-        let expected = ExportTraceServiceRequest {
-            resource_spans: group_spans_by_resource_and_scope(
-                spans,
-                &ResourceAttributesWithSchema::from(&resource),
-            ),
-        };
-        assert_eq!(decoded, expected);
-        assert_eq!(decoded.resource_spans[0].scope_spans.len(), 2);
-        assert_eq!(decoded.resource_spans[0].scope_spans[0].spans.len(), 3);
+    fn span(n: u64, parent: Option<u64>, error: Option<&str>, big: usize) -> Vec<u8> {
+        let start = UNIX_EPOCH + Duration::from_nanos(1_764_000_000_123_456_789 + n);
+        let mut buf = Vec::new();
+        open(
+            &mut buf,
+            &Opening {
+                trace_id: 0x0af7651916cd43dd8448eb211c80319c + u128::from(n),
+                span_id: 0xb7ad6b7169203331 + n,
+                trace_state: if n == 0 { "vendor=v1,other=x" } else { "" },
+                parent_span_id: parent,
+                name: "publish orders",
+                start,
+            },
+        );
+        buf.extend_from_slice(&constant(&[("messaging.system", "rabbitmq")]));
+        attribute_str(&mut buf, 9, "outbox.tenant_id", &"t".repeat(big));
+        attribute_str(&mut buf, 9, "empty", "");
+        attribute_i64(&mut buf, "outbox.delay_ms", -7 + n as i64);
+        close(
+            &mut buf,
+            start + Duration::from_millis(3),
+            error,
+            parent.is_some(),
+        );
+        buf
     }
 
     #[test]
-    fn long_fields_get_multi_byte_lengths() {
-        let mut data = span(1, scope("outbox-relay"), false);
-        data.attributes = vec![KeyValue::new("big", "x".repeat(70_000))];
-        let resource = Resource::builder_empty().build();
-        let ours = export_request(
-            &EncodedResource::new(&resource),
-            std::slice::from_ref(&data),
+    fn a_request_decodes_with_opentelemetry_proto_to_what_was_written() {
+        let mut batch = Vec::new();
+        push_span(&mut batch, &span(0, Some(0x00f067aa0ba902b7), None, 1));
+        push_span(
+            &mut batch,
+            &span(1, None, Some("unroutable: no queue"), 70_000),
         );
-        let decoded = ExportTraceServiceRequest::decode(ours.as_slice()).expect("decodes");
-        let expected = ExportTraceServiceRequest {
-            resource_spans: group_spans_by_resource_and_scope(
-                vec![data],
-                &ResourceAttributesWithSchema::from(&resource),
+        let body = export_request(
+            &resource(
+                "billing",
+                &[("deployment.environment".into(), "prod".into())],
             ),
-        };
-        assert_eq!(decoded, expected);
+            &scope("outbox-relay", "0.1.0"),
+            &batch,
+        );
+        let request = ExportTraceServiceRequest::decode(body.as_slice()).expect("decodes");
+        assert_eq!(request.resource_spans.len(), 1);
+        let resource_spans = &request.resource_spans[0];
+        assert_eq!(
+            resource_spans.resource.as_ref().unwrap().attributes,
+            vec![
+                text("service.name", "billing"),
+                text("deployment.environment", "prod")
+            ]
+        );
+        let scope_spans = &resource_spans.scope_spans;
+        assert_eq!(scope_spans.len(), 1);
+        let scope = scope_spans[0].scope.as_ref().unwrap();
+        assert_eq!(
+            (scope.name.as_str(), scope.version.as_str()),
+            ("outbox-relay", "0.1.0")
+        );
+        let spans = &scope_spans[0].spans;
+        assert_eq!(spans.len(), 2);
+
+        let first = &spans[0];
+        assert_eq!(
+            first.trace_id,
+            0x0af7651916cd43dd8448eb211c80319c_u128.to_be_bytes()
+        );
+        assert_eq!(first.span_id, 0xb7ad6b7169203331_u64.to_be_bytes());
+        assert_eq!(first.parent_span_id, 0x00f067aa0ba902b7_u64.to_be_bytes());
+        assert_eq!(first.trace_state, "vendor=v1,other=x");
+        assert_eq!(first.name, "publish orders");
+        assert_eq!(first.kind, SpanKind::Producer as i32);
+        assert_eq!(first.start_time_unix_nano, 1_764_000_000_123_456_789);
+        assert_eq!(first.end_time_unix_nano, 1_764_000_000_126_456_789);
+        assert_eq!(first.flags, 0x301, "sampled, remote parent");
+        assert_eq!(
+            first.attributes,
+            vec![
+                text("messaging.system", "rabbitmq"),
+                text("outbox.tenant_id", "t"),
+                text("empty", ""),
+                KeyValue {
+                    key: "outbox.delay_ms".into(),
+                    value: Some(AnyValue {
+                        value: Some(Value::IntValue(-7)),
+                    }),
+                    ..Default::default()
+                },
+            ]
+        );
+        let status = first.status.as_ref().expect("a status");
+        assert_eq!(
+            (status.code, status.message.as_str()),
+            (StatusCode::Unset as i32, "")
+        );
+
+        let second = &spans[1];
+        assert!(second.parent_span_id.is_empty(), "a root");
+        assert_eq!(second.trace_state, "");
+        assert_eq!(second.flags, 0x101, "sampled, local root");
+        assert_eq!(attribute_len(second, "outbox.tenant_id"), 70_000);
+        let status = second.status.as_ref().expect("a status");
+        assert_eq!(status.code, StatusCode::Error as i32);
+        assert_eq!(status.message, "unroutable: no queue");
+    }
+
+    fn attribute_len(span: &opentelemetry_proto::tonic::trace::v1::Span, key: &str) -> usize {
+        match &span
+            .attributes
+            .iter()
+            .find(|kv| kv.key == key)
+            .unwrap()
+            .value
+        {
+            Some(AnyValue {
+                value: Some(Value::StringValue(s)),
+            }) => s.len(),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -1,6 +1,6 @@
-//! The OTLP/HTTP exporter: each batch the processor hands over is encoded
-//! (see `otlp`) and POSTed to the endpoint by a blocking client, on the
-//! batch processor's own thread, never the relay's runtime.
+//! The OTLP/HTTP sender: each batch's request (see `otlp`) is POSTed to the
+//! endpoint by a blocking client, on the export thread (see `export`), never
+//! the relay's runtime.
 //!
 //! A batch is tried again, as the OTLP specification recommends, when the
 //! endpoint could not be reached or answered 429, 502, 503 or 504: at most
@@ -13,14 +13,10 @@ use std::hash::{BuildHasher, RandomState};
 use std::io::Read;
 use std::time::{Duration, Instant};
 
-use opentelemetry_sdk::Resource;
-use opentelemetry_sdk::error::{OTelSdkError, OTelSdkResult};
-use opentelemetry_sdk::trace::{SpanData, SpanExporter};
 use reqwest::blocking::Client;
 use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 
-use super::export::Losses;
-use super::otlp::{self, EncodedResource, Rejected};
+use super::otlp::{self, Rejected};
 use super::settings::Export;
 
 /// Tries after the first, for a batch the endpoint may take later.
@@ -38,6 +34,8 @@ pub enum BuildError {
     Header(String),
     #[error("cannot build the HTTP client: {0}")]
     Client(#[from] reqwest::Error),
+    #[error("cannot start the export thread: {0}")]
+    Thread(std::io::Error),
 }
 
 /// Sends batches of spans to one OTLP/HTTP endpoint.
@@ -47,13 +45,11 @@ pub struct OtlpHttp {
     endpoint: reqwest::Url,
     headers: HeaderMap,
     timeout: Duration,
-    resource: EncodedResource,
-    losses: Losses,
 }
 
 impl OtlpHttp {
     /// Built outside any Tokio runtime: the blocking client owns one.
-    pub fn new(export: &Export, losses: Losses) -> Result<OtlpHttp, BuildError> {
+    pub fn new(export: &Export) -> Result<OtlpHttp, BuildError> {
         let mut headers = HeaderMap::new();
         for (name, value) in &export.headers {
             let header = HeaderName::from_bytes(name.as_bytes())
@@ -78,14 +74,12 @@ impl OtlpHttp {
             endpoint,
             headers,
             timeout: export.timeout,
-            resource: EncodedResource::default(),
-            losses,
         })
     }
 
     /// POSTs `body`, trying again as the module says; what the endpoint
     /// rejected of it, if anything.
-    fn post(&self, body: Vec<u8>) -> Result<Option<Rejected>, String> {
+    pub fn post(&self, body: Vec<u8>) -> Result<Option<Rejected>, String> {
         let body = bytes::Bytes::from(body);
         let deadline = Instant::now() + self.timeout;
         let mut delay = FIRST_DELAY;
@@ -173,34 +167,6 @@ impl Failure {
 /// Up to [`MAX_JITTER_MS`], so that replicas do not retry in step.
 fn jitter() -> Duration {
     Duration::from_millis(RandomState::new().hash_one(Instant::now()) % (MAX_JITTER_MS + 1))
-}
-
-impl SpanExporter for OtlpHttp {
-    async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
-        if batch.is_empty() {
-            return Ok(());
-        }
-        let spans = batch.len();
-        self.losses.taken(spans);
-        let body = otlp::export_request(&self.resource, &batch);
-        drop(batch);
-        match self.post(body) {
-            Ok(rejected) => {
-                if let Some(rejected) = rejected {
-                    self.losses.rejected(&rejected);
-                }
-                Ok(())
-            }
-            Err(error) => {
-                self.losses.failed(spans, &error);
-                Err(OTelSdkError::InternalFailure(error))
-            }
-        }
-    }
-
-    fn set_resource(&mut self, resource: &Resource) {
-        self.resource = EncodedResource::new(resource);
-    }
 }
 
 #[cfg(test)]

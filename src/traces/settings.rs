@@ -69,6 +69,32 @@ pub enum Sampling {
     ParentBased(Box<Sampling>),
 }
 
+impl Sampling {
+    /// Whether a span of `trace_id` is recorded and exported, as the
+    /// OpenTelemetry samplers of these names decide: a parent-based one
+    /// follows the parent's sampled flag when there is a parent (remote, the
+    /// row's `traceparent`); a ratio keeps the trace ids whose lower 63 bits
+    /// fall under `ratio × 2^63`, so that every service of a trace decides
+    /// alike.
+    pub fn samples(&self, parent_sampled: Option<bool>, trace_id: u128) -> bool {
+        match self {
+            Sampling::AlwaysOn => true,
+            Sampling::AlwaysOff => false,
+            Sampling::Ratio(ratio) => {
+                if *ratio >= 1.0 {
+                    return true;
+                }
+                let bound = (ratio.max(0.0) * (1u64 << 63) as f64) as u64;
+                ((trace_id as u64) >> 1) < bound
+            }
+            Sampling::ParentBased(root) => match parent_sampled {
+                Some(sampled) => sampled,
+                None => root.samples(None, trace_id),
+            },
+        }
+    }
+}
+
 impl fmt::Display for Sampling {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -550,6 +576,34 @@ mod tests {
             (RESOURCE_ATTRIBUTES, "service.name=billing-relay"),
         ]);
         assert_eq!(export.service_name, "relay-b");
+    }
+
+    #[test]
+    fn sampling_decides_as_the_samplers_of_those_names() {
+        let low = 0x0123_u128; // lower 64 bits small: under any ratio above 0
+        let high = u128::from(u64::MAX); // lower 64 bits all ones: over any ratio under 1
+        let on = Sampling::AlwaysOn;
+        let off = Sampling::AlwaysOff;
+        assert!(on.samples(None, high) && on.samples(Some(false), high));
+        assert!(!off.samples(None, low) && !off.samples(Some(true), low));
+        let half = Sampling::Ratio(0.5);
+        assert!(half.samples(None, low));
+        assert!(!half.samples(None, high));
+        assert!(half.samples(Some(false), low), "a ratio ignores the parent");
+        assert!(!Sampling::Ratio(0.0).samples(None, low));
+        assert!(Sampling::Ratio(1.0).samples(None, high));
+        let parent_based = Sampling::ParentBased(Box::new(Sampling::AlwaysOff));
+        assert!(parent_based.samples(Some(true), high));
+        assert!(!parent_based.samples(Some(false), low));
+        assert!(!parent_based.samples(None, low));
+        let default = Sampling::ParentBased(Box::new(Sampling::AlwaysOn));
+        assert!(default.samples(None, high));
+        assert!(!default.samples(Some(false), low));
+        // The upper 64 bits play no part: the SDK reads the lower 8 bytes.
+        assert_eq!(
+            half.samples(None, (7_u128 << 64) | 5),
+            half.samples(None, 5)
+        );
     }
 
     #[test]
