@@ -150,7 +150,7 @@ impl Envelope {
             tracestate,
         });
         let rows_own = context.map(|(traceparent, tracestate)| {
-            replace_trace_context(&mut headers, &traceparent, &tracestate)
+            replace_trace_context(&mut headers, traceparent, tracestate)
         });
         let properties = BasicProperties::default()
             .with_message_id(message_id)
@@ -283,15 +283,16 @@ fn header_text(headers: &Headers) -> (Option<&str>, Option<&str>) {
 /// `headers` instead of the row's own, which it returns.
 fn replace_trace_context(
     headers: &mut Headers,
-    traceparent: &str,
-    tracestate: &str,
+    traceparent: String,
+    tracestate: String,
 ) -> TraceHeaders {
-    let parent = headers.insert(TRACEPARENT.into(), long_string(traceparent));
+    let owned = |text: String| AMQPValue::LongString(LongString::from(text.into_bytes()));
+    let parent = headers.insert(TRACEPARENT.into(), owned(traceparent));
     let state = if tracestate.is_empty() {
         // The row's own belonged to another trace context, or to none.
         headers.remove(TRACESTATE)
     } else {
-        headers.insert(TRACESTATE.into(), long_string(tracestate))
+        headers.insert(TRACESTATE.into(), owned(tracestate))
     };
     (parent, state)
 }

@@ -76,8 +76,9 @@ impl Queue {
 
     /// Waits until a batch's worth is queued, `delay` has passed, or
     /// shutdown began; then takes what is queued (the spans, how many, and
-    /// whether this is the last take).
-    fn take(&self, delay: Duration) -> (Vec<u8>, usize, bool) {
+    /// whether this is the last take), leaving `spare` (emptied, its
+    /// capacity kept) to queue the next ones in.
+    fn take(&self, delay: Duration, mut spare: Vec<u8>) -> (Vec<u8>, usize, bool) {
         let deadline = Instant::now() + delay;
         let mut pending = self.lock();
         while pending.count < self.batch && !pending.closing {
@@ -93,7 +94,8 @@ impl Queue {
         }
         let count = std::mem::take(&mut pending.count);
         self.exporting.store(count, Ordering::Relaxed);
-        let spans = std::mem::take(&mut pending.spans);
+        spare.clear();
+        let spans = std::mem::replace(&mut pending.spans, spare);
         (spans, count, pending.closing)
     }
 
@@ -134,11 +136,12 @@ pub fn start(export: &Export, dropped: IntCounter) -> Result<Exporter, BuildErro
     std::thread::Builder::new()
         .name("otel-export".into())
         .spawn(move || {
+            let mut spare = Vec::new();
             loop {
-                let (spans, count, last) = exporting.take(delay);
+                let (spans, count, last) = exporting.take(delay, spare);
+                spare = spans;
                 if count > 0 {
-                    let body = otlp::export_request(&resource, &scope, &spans);
-                    drop(spans);
+                    let body = otlp::export_request(&resource, &scope, &spare);
                     match sender.post(body) {
                         Ok(None) => {}
                         Ok(Some(rejected)) => losses.rejected(&rejected),
@@ -270,7 +273,7 @@ mod tests {
         assert_eq!(dropped.get(), 2);
         assert_eq!(queue.left(), 3);
         // A full batch (the capacity, here) is taken at once.
-        let (spans, count, last) = queue.take(Duration::from_secs(60));
+        let (spans, count, last) = queue.take(Duration::from_secs(60), Vec::new());
         assert_eq!((count, last), (3, false));
         assert_eq!(spans, b"\x12\x01a\x12\x01b\x12\x01c");
         assert_eq!(queue.left(), 3, "in the export under way");
@@ -283,11 +286,11 @@ mod tests {
     fn a_take_waits_for_the_delay_then_for_shutdown_no_more() {
         let queue = Queue::new(100, counter());
         queue.push(b"a");
-        let (spans, count, last) = queue.take(Duration::from_millis(20));
+        let (spans, count, last) = queue.take(Duration::from_millis(20), Vec::new());
         assert_eq!((spans.len(), count, last), (3, 1, false));
         queue.close();
         let started = Instant::now();
-        let (_, count, last) = queue.take(Duration::from_secs(60));
+        let (_, count, last) = queue.take(Duration::from_secs(60), spans);
         assert_eq!((count, last), (0, true));
         assert!(started.elapsed() < Duration::from_secs(30));
     }
