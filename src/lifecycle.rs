@@ -9,6 +9,7 @@
 
 use std::time::{Duration, SystemTime};
 
+use lapin::Confirmation;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, ShortString};
 
@@ -17,6 +18,7 @@ use crate::domain::OutboxRow;
 use crate::envelope::Envelope;
 use crate::publisher::{ConfirmOutcome, OpenError, open_channel, traced_message};
 use crate::store::{Changed, Store, StoreError};
+use crate::traces::PublishSpan;
 
 /// The header every replayed message carries, beside the relay's own.
 pub const REPLAY_HEADER: &str = "outbox-replay";
@@ -232,6 +234,25 @@ async fn send_page(
             }
         }
     }
+    confirmed(confirms, confirm_timeout, replayed).await?;
+    match refused {
+        Some(refused) => Err(refused),
+        None => Ok(()),
+    }
+}
+
+/// Waits for the confirms of a page's rows, in order, ending each row's
+/// span; the first row not confirmed and why. The rows after it are not
+/// waited for: their spans end unconfirmed.
+async fn confirmed(
+    confirms: Vec<(
+        i64,
+        impl Future<Output = lapin::Result<Confirmation>>,
+        Option<PublishSpan>,
+    )>,
+    confirm_timeout: Duration,
+    replayed: &mut Replayed,
+) -> Result<(), (i64, String)> {
     let mut confirms = confirms.into_iter();
     while let Some((id, confirm, span)) = confirms.next() {
         let answer = tokio::time::timeout(confirm_timeout, confirm).await.ok();
@@ -273,10 +294,7 @@ async fn send_page(
         }
         return Err((id, format!("{reason}: {detail}")));
     }
-    match refused {
-        Some(refused) => Err(refused),
-        None => Ok(()),
-    }
+    Ok(())
 }
 
 #[cfg(test)]

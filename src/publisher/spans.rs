@@ -5,8 +5,6 @@
 
 use std::time::SystemTime;
 
-use time::OffsetDateTime;
-
 use crate::domain::{OutboxRow, Refusal};
 use crate::envelope::{Envelope, Message};
 use crate::traces::{self, Publish, PublishSpan};
@@ -134,6 +132,44 @@ pub(super) fn refused(span: PublishSpan, tenant: &str, row_id: i64, refusal: &Re
 /// The row's age at publish, since `occurred_at` (0 for a row from the
 /// future: a writer's fast clock).
 fn delay_ms(row: &OutboxRow) -> i64 {
-    let age = OffsetDateTime::now_utc() - row.occurred_at;
-    i64::try_from(age.whole_milliseconds().max(0)).unwrap_or(i64::MAX)
+    // Milliseconds since the epoch on both sides: no calendar date is made.
+    let now = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |since| since.as_millis() as i128);
+    let occurred = row.occurred_at.unix_timestamp_nanos() / 1_000_000;
+    i64::try_from((now - occurred).max(0)).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use time::OffsetDateTime;
+
+    use super::*;
+    use crate::domain::Payload;
+
+    fn row(occurred_at: OffsetDateTime) -> OutboxRow {
+        OutboxRow {
+            id: 1,
+            kind: "k".into(),
+            subject_id: "s".into(),
+            payload: Payload::Tombstone,
+            headers: None,
+            occurred_at,
+            defect: None,
+            cost: 0,
+        }
+    }
+
+    #[test]
+    fn a_rows_delay_is_its_age_in_milliseconds_never_below_zero() {
+        let now = OffsetDateTime::now_utc();
+        let delay = delay_ms(&row(now - Duration::from_millis(1500)));
+        // The clock moves between the two readings, a little.
+        assert!((1500..61_500).contains(&delay), "{delay}");
+        assert_eq!(delay_ms(&row(now + Duration::from_secs(3600))), 0);
+        let ancient = delay_ms(&row(time::macros::datetime!(0001-01-01 00:00 UTC)));
+        assert!(ancient > 60_000_000_000_000, "{ancient}");
+    }
 }

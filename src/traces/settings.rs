@@ -183,20 +183,7 @@ impl Settings {
             }
             (None, None) => None,
         };
-        // The signal's own variable wins over the generic one, as for the
-        // endpoint; both are checked when set.
-        let mut headers = Vec::new();
-        for variable in [HEADERS, TRACES_HEADERS] {
-            if let Some(text) = get(variable) {
-                headers = parse_pairs(variable, &text, Pair::Header)?;
-            }
-        }
-        let mut timeout = DEFAULT_TIMEOUT;
-        for variable in [TIMEOUT, TRACES_TIMEOUT] {
-            if let Some(text) = get(variable) {
-                timeout = Duration::from_millis(positive(variable, &text)?);
-            }
-        }
+        let (headers, timeout) = request_settings(&get)?;
         let mut resource = match get(RESOURCE_ATTRIBUTES) {
             Some(text) => parse_pairs(RESOURCE_ATTRIBUTES, &text, Pair::Attribute)?,
             None => Vec::new(),
@@ -271,6 +258,27 @@ impl Settings {
             }
         }
     }
+}
+
+/// The export request's extra headers and timeout. The signal's own
+/// variable wins over the generic one, as for the endpoint; both are
+/// checked when set.
+fn request_settings(
+    get: &impl Fn(&str) -> Option<String>,
+) -> Result<(Vec<(String, String)>, Duration), SettingsError> {
+    let mut headers = Vec::new();
+    for variable in [HEADERS, TRACES_HEADERS] {
+        if let Some(text) = get(variable) {
+            headers = parse_pairs(variable, &text, Pair::Header)?;
+        }
+    }
+    let mut timeout = DEFAULT_TIMEOUT;
+    for variable in [TIMEOUT, TRACES_TIMEOUT] {
+        if let Some(text) = get(variable) {
+            timeout = Duration::from_millis(positive(variable, &text)?);
+        }
+    }
+    Ok((headers, timeout))
 }
 
 /// An endpoint URL the exporter can reach: `http://` only (the relay's HTTP
