@@ -255,22 +255,22 @@ impl PublishSpan {
 
     /// The `traceparent` and `tracestate` the message carries instead of
     /// the row's: the span's own.
-    pub fn headers(&self) -> Option<(String, String)> {
+    pub fn headers(&self) -> (String, String) {
         let traceparent = TraceParent {
             trace_id: self.trace_id,
             span_id: self.span_id,
             sampled: true,
         };
-        Some((traceparent.header(), self.trace_state.clone()))
+        (traceparent.header(), self.trace_state.clone())
     }
 
     /// The ids a log line under this span carries: trace id and span id, in
     /// lower-case hex as the exporter writes them.
-    pub fn ids(&self) -> Option<(String, String)> {
-        Some((
+    pub fn ids(&self) -> (String, String) {
+        (
             format!("{:032x}", self.trace_id),
             format!("{:016x}", self.span_id),
-        ))
+        )
     }
 
     /// The broker confirmed the row at `at`.

@@ -37,7 +37,7 @@ pub(crate) fn message(
             traced.traceparent,
             traced.tracestate,
         );
-        span.as_ref().and_then(PublishSpan::headers)
+        span.as_ref().map(PublishSpan::headers)
     });
     match message {
         Ok(message) => (Ok(message), span),
@@ -111,7 +111,8 @@ pub(super) fn end(
 /// line written under the span (it carries the span's `trace_id` and
 /// `span_id`, see `telemetry`).
 pub(super) fn refused(span: PublishSpan, tenant: &str, row_id: i64, refusal: &Refusal) {
-    if let Some((trace_id, span_id)) = span.ids() {
+    let (trace_id, span_id) = span.ids();
+    {
         let _under = tracing::info_span!(
             "publish",
             trace_id = trace_id.as_str(),
