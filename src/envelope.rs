@@ -211,7 +211,10 @@ fn relay_headers(tenant: &str, row: &OutboxRow) -> Result<Headers, Refusal> {
     let mut headers = BTreeMap::new();
     headers.insert("outbox-id".into(), AMQPValue::LongLongInt(row.id));
     headers.insert("outbox-tenant-id".into(), long_string(tenant));
-    headers.insert("outbox-subject-id".into(), long_string(&row.subject_id));
+    headers.insert(
+        "outbox-subject-id".into(),
+        long_string(row.subject_id.as_str()),
+    );
     headers.insert(
         "outbox-occurred-at".into(),
         AMQPValue::LongString(occurred_at.into()),
@@ -286,13 +289,12 @@ fn replace_trace_context(
     traceparent: String,
     tracestate: String,
 ) -> TraceHeaders {
-    let owned = |text: String| AMQPValue::LongString(LongString::from(text.into_bytes()));
-    let parent = headers.insert(TRACEPARENT.into(), owned(traceparent));
+    let parent = headers.insert(TRACEPARENT.into(), long_string(traceparent));
     let state = if tracestate.is_empty() {
         // The row's own belonged to another trace context, or to none.
         headers.remove(TRACESTATE)
     } else {
-        headers.insert(TRACESTATE.into(), owned(tracestate))
+        headers.insert(TRACESTATE.into(), long_string(tracestate))
     };
     (parent, state)
 }
@@ -410,8 +412,9 @@ fn short(value: String, what: &str) -> Result<ShortString, Refusal> {
     })
 }
 
-fn long_string(value: &str) -> AMQPValue {
-    AMQPValue::LongString(LongString::from(value.as_bytes().to_vec()))
+/// A header value from text: owned text moves in, borrowed text is copied.
+fn long_string(value: impl Into<Vec<u8>>) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(value.into()))
 }
 
 /// Adds a row's `headers` object (its JSON text): strings, numbers and

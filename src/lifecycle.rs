@@ -14,9 +14,9 @@ use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, ShortString};
 
 use crate::config::Config;
-use crate::domain::OutboxRow;
+use crate::domain::{FailureReason, OutboxRow, Refusal};
 use crate::envelope::Envelope;
-use crate::publisher::{ConfirmOutcome, OpenError, open_channel, traced_message};
+use crate::publisher::{ConfirmOutcome, OpenError, open_channel, traced_message, unroutable};
 use crate::store::{Changed, Store, StoreError};
 use crate::traces::PublishSpan;
 
@@ -256,33 +256,26 @@ async fn confirmed(
     let mut confirms = confirms.into_iter();
     while let Some((id, confirm, span)) = confirms.next() {
         let answer = tokio::time::timeout(confirm_timeout, confirm).await.ok();
-        let failure = match ConfirmOutcome::of(answer) {
-            ConfirmOutcome::Delivered => None,
-            ConfirmOutcome::Returned(returned) => Some((
-                "unroutable",
-                format!(
-                    "returned by the broker: {} {}",
-                    returned.reply_code, returned.reply_text
-                ),
-            )),
-            ConfirmOutcome::Refused(refusal, _) => {
-                Some((refusal.reason.as_str(), refusal.detail.clone()))
+        let refusal = match ConfirmOutcome::of(answer) {
+            ConfirmOutcome::Delivered => {
+                if let Some(span) = span {
+                    span.confirmed(SystemTime::now());
+                }
+                replayed.add(id);
+                continue;
             }
-            ConfirmOutcome::Failed(error) => Some(("connection", error.to_string())),
-            ConfirmOutcome::TimedOut => Some((
-                "timeout",
+            ConfirmOutcome::Returned(returned) => unroutable(&returned),
+            ConfirmOutcome::Refused(refusal, _) => refusal,
+            ConfirmOutcome::Failed(error) => {
+                Refusal::new(FailureReason::Connection, error.to_string())
+            }
+            ConfirmOutcome::TimedOut => Refusal::new(
+                FailureReason::Timeout,
                 format!("no confirm within {} ms", confirm_timeout.as_millis()),
-            )),
-        };
-        let Some((reason, detail)) = failure else {
-            if let Some(span) = span {
-                span.confirmed(SystemTime::now());
-            }
-            replayed.add(id);
-            continue;
+            ),
         };
         if let Some(span) = span {
-            span.refused(reason, &detail);
+            span.refused(refusal.reason.as_str(), &refusal.detail);
         }
         for (_, _, span) in confirms {
             if let Some(span) = span {
@@ -292,7 +285,7 @@ async fn confirmed(
                 );
             }
         }
-        return Err((id, format!("{reason}: {detail}")));
+        return Err((id, refusal.last_error()));
     }
     Ok(())
 }

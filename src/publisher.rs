@@ -57,7 +57,7 @@ use link::Link;
 
 pub use error::PublishError;
 pub use open::{OpenError, exchange_kind, open_channel, open_connection, open_first};
-pub use outcome::ConfirmOutcome;
+pub use outcome::{ConfirmOutcome, unroutable};
 pub use publishing::{PROGRESS_STEP, Progress, Publishing};
 pub(crate) use spans::message as traced_message;
 pub use supervisor::CONNECT_TIMEOUT;

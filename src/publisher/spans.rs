@@ -112,21 +112,20 @@ pub(super) fn end(
 /// `span_id`, see `telemetry`).
 pub(super) fn refused(span: PublishSpan, tenant: &str, row_id: i64, refusal: &Refusal) {
     let (trace_id, span_id) = span.ids();
-    {
-        let _under = tracing::info_span!(
-            "publish",
-            trace_id = trace_id.as_str(),
-            span_id = span_id.as_str()
-        )
-        .entered();
-        tracing::warn!(
-            tenant,
-            row = row_id,
-            reason = refusal.reason.as_str(),
-            error = %refusal.detail,
-            "publish refused"
-        );
-    }
+    let under = tracing::info_span!(
+        "publish",
+        trace_id = trace_id.as_str(),
+        span_id = span_id.as_str()
+    )
+    .entered();
+    tracing::warn!(
+        tenant,
+        row = row_id,
+        reason = refusal.reason.as_str(),
+        error = %refusal.detail,
+        "publish refused"
+    );
+    drop(under);
     span.refused(refusal.reason.as_str(), &refusal.detail);
 }
 

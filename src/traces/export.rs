@@ -11,7 +11,6 @@
 //! failed (unreachable, slow or black-hole endpoint) or that the endpoint
 //! answers it rejected, and what is still queued when shutdown's time is up.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -30,8 +29,6 @@ pub struct Queue {
     ready: Condvar,
     capacity: usize,
     batch: usize,
-    /// Spans taken by an export still under way.
-    exporting: AtomicUsize,
     dropped: IntCounter,
 }
 
@@ -40,6 +37,8 @@ struct Pending {
     /// The spans, each a `ScopeSpans.spans` field (see `otlp::push_span`).
     spans: Vec<u8>,
     count: usize,
+    /// Spans taken by an export still under way.
+    exporting: usize,
     closing: bool,
 }
 
@@ -50,7 +49,6 @@ impl Queue {
             ready: Condvar::new(),
             capacity,
             batch: MAX_EXPORT_BATCH.min(capacity),
-            exporting: AtomicUsize::new(0),
             dropped,
         }
     }
@@ -93,10 +91,15 @@ impl Queue {
                 .0;
         }
         let count = std::mem::take(&mut pending.count);
-        self.exporting.store(count, Ordering::Relaxed);
+        pending.exporting = count;
         spare.clear();
         let spans = std::mem::replace(&mut pending.spans, spare);
         (spans, count, pending.closing)
+    }
+
+    /// The export under way ended (sent or dropped).
+    fn exported(&self) {
+        self.lock().exporting = 0;
     }
 
     fn close(&self) {
@@ -106,7 +109,8 @@ impl Queue {
 
     /// Spans not yet exported: queued, or in an export under way.
     pub fn left(&self) -> usize {
-        self.lock().count + self.exporting.load(Ordering::Relaxed)
+        let pending = self.lock();
+        pending.count + pending.exporting
     }
 }
 
@@ -147,7 +151,7 @@ pub fn start(export: &Export, dropped: IntCounter) -> Result<Exporter, BuildErro
                         Ok(Some(rejected)) => losses.rejected(&rejected),
                         Err(error) => losses.failed(count, &error),
                     }
-                    exporting.exporting.store(0, Ordering::Relaxed);
+                    exporting.exported();
                 }
                 if last {
                     break;
@@ -277,7 +281,7 @@ mod tests {
         assert_eq!((count, last), (3, false));
         assert_eq!(spans, b"\x12\x01a\x12\x01b\x12\x01c");
         assert_eq!(queue.left(), 3, "in the export under way");
-        queue.exporting.store(0, Ordering::Relaxed);
+        queue.exported();
         queue.push(b"f");
         assert_eq!(queue.left(), 1);
     }

@@ -30,8 +30,10 @@ const MAX_ANSWER: u64 = 64 * 1024;
 /// Why the exporter could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum BuildError {
-    #[error("OTEL_EXPORTER_OTLP_HEADERS: header {0:?} cannot be sent")]
+    #[error("header {0:?} cannot be sent")]
     Header(String),
+    #[error("the endpoint is not a URL: {0}")]
+    Endpoint(String),
     #[error("cannot build the HTTP client: {0}")]
     Client(#[from] reqwest::Error),
     #[error("cannot start the export thread: {0}")]
@@ -64,7 +66,7 @@ impl OtlpHttp {
             HeaderValue::from_static("application/x-protobuf"),
         );
         let endpoint = reqwest::Url::parse(&export.endpoint)
-            .map_err(|_| BuildError::Header("endpoint".into()))?;
+            .map_err(|error| BuildError::Endpoint(error.to_string()))?;
         let client = Client::builder()
             .timeout(export.timeout)
             .pool_max_idle_per_host(1)
