@@ -532,6 +532,101 @@ async fn a_refusing_endpoint_is_logged_once_without_its_password_and_holds_up_no
     );
 }
 
+/// What the flaky collector of the next test saw: requests, and the
+/// message ids of the spans it took.
+#[derive(Default)]
+struct Flaky {
+    requests: std::sync::atomic::AtomicUsize,
+    taken: Mutex<Vec<String>>,
+}
+
+/// Answers its first request 503, then takes every request but says it
+/// rejected one span of each (`partial_success`).
+async fn flaky(State(flaky): State<Arc<Flaky>>, body: Bytes) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    use opentelemetry_proto::tonic::collector::trace::v1::{
+        ExportTracePartialSuccess, ExportTraceServiceResponse,
+    };
+    let n = flaky
+        .requests
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    if n == 0 {
+        return axum::http::StatusCode::SERVICE_UNAVAILABLE.into_response();
+    }
+    let request = ExportTraceServiceRequest::decode(body).expect("an OTLP protobuf request");
+    let mut taken = flaky.taken.lock().unwrap();
+    for resource_spans in request.resource_spans {
+        for scope in resource_spans.scope_spans {
+            for span in scope.spans {
+                taken.extend(attribute(&span, "messaging.message.id"));
+            }
+        }
+    }
+    ExportTraceServiceResponse {
+        partial_success: Some(ExportTracePartialSuccess {
+            rejected_spans: 1,
+            error_message: "too old".into(),
+        }),
+    }
+    .encode_to_vec()
+    .into_response()
+}
+
+#[tokio::test]
+async fn an_export_answered_503_is_sent_again_and_rejected_spans_are_counted() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["a.#"]).await;
+    let state: Arc<Flaky> = Arc::default();
+    let router = axum::Router::new()
+        .route("/v1/traces", post(flaky))
+        .with_state(state.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the collector");
+    let collector = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    let ids = outbox.insert_many("a", 5).await;
+    let (relay, addr) = spawn_relay(&traced_env(
+        &outbox,
+        &broker,
+        &format!("http://{collector}"),
+    ))
+    .await;
+    eventually(
+        "every row's span taken, the first export's after its 503",
+        Duration::from_secs(20),
+        || {
+            let taken = state.taken.lock().unwrap().clone();
+            let all = ids.iter().all(|id| taken.contains(&id.to_string()));
+            async move { all }
+        },
+    )
+    .await;
+    assert!(state.requests.load(std::sync::atomic::Ordering::SeqCst) >= 2);
+    let (_, body) = http_get(addr, "/metrics").await;
+    let dropped = metric(&body, "outbox_trace_spans_dropped_total").unwrap_or(0.0);
+    assert!(dropped >= 1.0, "the rejected span is counted: {dropped}");
+    eventually("the rejection logged", Duration::from_secs(10), || {
+        let logged = relay.output().lines().any(|line| {
+            serde_json::from_str::<serde_json::Value>(line).is_ok_and(|entry| {
+                entry["message"]
+                    .as_str()
+                    .is_some_and(|m| m.starts_with("the trace endpoint rejected spans"))
+                    && entry["error"] == "too old"
+            })
+        });
+        async move { logged }
+    })
+    .await;
+    eventually("the rows go out as ever", Duration::from_secs(10), || {
+        let n = broker.count();
+        async move { n == 5 }
+    })
+    .await;
+}
+
 #[tokio::test]
 async fn check_config_shows_where_spans_go_and_no_header_value() {
     let output = relay_command()
