@@ -107,6 +107,11 @@ impl Reservation {
         self.permit.num_permits().saturating_mul(UNIT)
     }
 
+    /// Holds what `other` holds too, until this one is dropped.
+    pub fn absorb(&mut self, other: Reservation) {
+        self.permit.merge(other.permit);
+    }
+
     /// Gives back all but `bytes` (rounded up to the unit).
     pub fn keep(&mut self, bytes: usize) {
         let keep = units(bytes).max(1);

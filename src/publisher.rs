@@ -52,7 +52,7 @@ use std::sync::Arc;
 use tokio::sync::watch;
 
 use crate::config::Config;
-use crate::domain::{Lease, OutboxRow};
+use crate::domain::OutboxRow;
 use link::Link;
 
 pub use error::PublishError;
@@ -128,16 +128,11 @@ impl Publisher {
         supervisor::close(&self.link).await;
     }
 
-    /// Starts publishing `rows` of `tenant`, in order, while `lease` holds:
-    /// the caller drives it with [`Publishing::next`]. Only the first run of
-    /// rows that go the same way (alone, or on the shared channel) is
-    /// published: see [`Publishing::cut_short`].
-    pub fn publish<'a>(
-        &'a self,
-        tenant: &'a str,
-        rows: &'a [OutboxRow],
-        lease: &'a dyn Lease,
-    ) -> Publishing<'a> {
-        Publishing::new(&self.link, tenant, rows, lease)
+    /// Starts publishing `rows` of `tenant`, in order: the caller drives it
+    /// with [`Publishing::next`], passing the rows and the claim each time.
+    /// Only the first run of rows that go the same way (alone, or on the
+    /// shared channel) is published: see [`Publishing::cut_short`].
+    pub fn publish<'a>(&'a self, tenant: &'a str, rows: &[OutboxRow]) -> Publishing<'a> {
+        Publishing::new(&self.link, tenant, rows)
     }
 }

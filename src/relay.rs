@@ -1,10 +1,11 @@
 //! One sweep of one tenant: claim it, publish its batch, settle what the
 //! broker confirmed. While no other tenant waits for a sweep, a full batch's
 //! successor is read ahead in the same transaction as the batch is
-//! published, and goes out as soon as the batch is confirmed and marked (up
-//! to [`CHAINED_BATCHES`] in one transaction): the broker does not idle while
-//! the database reads and commits. [`Relay`] holds what every sweep needs; the scheduler
-//! (`scheduler`) only decides when to call [`Relay::sweep`] next.
+//! published, and goes out right behind it, in the same window (up to
+//! [`CHAINED_BATCHES`] in one transaction): the broker does not idle while
+//! the database reads, nor while a batch's last confirms come back.
+//! [`Relay`] holds what every sweep needs; the scheduler (`scheduler`) only
+//! decides when to call [`Relay::sweep`] next.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -21,10 +22,12 @@ use crate::publisher::{Progress, PublishError, Publisher};
 use crate::store::{Claim, Settled, Store, StoreError};
 use crate::wakeup::Wakeups;
 
-/// At most this many full batches go out in one transaction (one claim):
-/// more would hold the tenant, and resend more after a crash, for little
-/// more speed.
-pub const CHAINED_BATCHES: usize = 4;
+/// At most this many full batches go out in one transaction (one claim).
+/// A claim's end empties the window for the commit and the next claim, a few
+/// ms in which the broker waits, so longer claims keep it busier; longer
+/// still would resend more after a crash (a claim yields the tenant as soon
+/// as another tenant waits for a sweep whatever its length).
+pub const CHAINED_BATCHES: usize = 16;
 
 /// How often the marks of a settlement that failed after the broker
 /// confirmed are tried again, each on a fresh pooled connection, before the
@@ -234,82 +237,96 @@ impl Relay {
                 Err(error) => SweepOutcome::Failed(error.into()),
             };
         }
-        let mut earlier = Earlier::default();
-        loop {
-            let started = Instant::now();
-            let next_budget = self.read_ahead(&claim, earlier.batches);
-            // Publish, marking the confirmed prefix ahead as it grows, so that
-            // the commit has little left to do.
-            let mut publishing = self.publisher.publish(tenant, claim.rows(), &claim);
-            let report = loop {
+        let started = Instant::now();
+        // Publish, marking the confirmed prefix ahead as it grows, so that the
+        // commit has little left to do. While the batch goes out, the next is
+        // read ahead in the same transaction, and joins the run as soon as
+        // the last row before it is sent: one window slides across the
+        // claim's batches.
+        let mut publishing = self.publisher.publish(tenant, claim.rows());
+        let mut batches = 1;
+        let mut next_budget = self.read_ahead(&claim, batches);
+        publishing.expect_more(next_budget.is_some());
+        // A failed read ahead or mark has aborted the transaction: the rows
+        // in flight are still resolved, then what was confirmed is marked in
+        // a transaction of its own.
+        let mut aborted = None;
+        let report = loop {
+            let progress = {
                 // The read ahead is driven beside the confirms (the answers
                 // on the claim's connection come back in order).
-                let step = publishing.next();
+                let step = publishing.next(claim.rows(), &claim);
                 tokio::pin!(step);
-                let progress = loop {
+                loop {
                     tokio::select! {
                         progress = &mut step => break progress,
                         () = claim.read_ahead_progress(), if claim.reading_ahead() => {}
                     }
-                };
-                match progress {
-                    Progress::Confirmed(prefix) => claim.mark_ahead(prefix),
-                    Progress::Resolved(report) => break report,
                 }
             };
-            let confirmed = started.elapsed();
-            // A batch cut short (by the byte budget, or where its rows go
-            // another way) is followed at once, like a full one.
-            let full = claim.rows().len() == self.config.batch_size
-                || claim.cut_by_budget()
-                || publishing.cut_short();
-            let wholly = report.refusal.is_none()
-                && report.confirmed() == claim.rows().len()
-                && !publishing.cut_short();
-            drop(publishing);
-            // Go on in this transaction with the batch read ahead, if any.
-            if let Some(reserved) = next_budget
-                && wholly
-                && !self.tenants_waiting()
-            {
-                let delays = self.delays(claim.rows(), &report);
-                match claim.advance().await {
-                    Ok(true) => {
-                        earlier.add(report.confirmed(), delays, &ids(&report, &claim));
-                        budget = reserved;
-                        budget.keep(claim.cost());
-                        continue;
+            match progress {
+                Progress::Confirmed(prefix) => claim.mark_ahead(prefix),
+                Progress::Sent => match self.append_ahead(&mut claim, next_budget.take()).await {
+                    Ok(Some(reserved)) => {
+                        budget.absorb(reserved);
+                        publishing.extend(claim.rows());
+                        batches += 1;
+                        next_budget = self.read_ahead(&claim, batches);
+                        publishing.expect_more(next_budget.is_some());
                     }
-                    Ok(false) => {}
+                    Ok(None) => publishing.expect_more(false),
                     Err(error) => {
-                        // Every row of this batch was confirmed, and those
-                        // before it in the transaction.
-                        earlier.add(report.confirmed(), Vec::new(), &ids(&report, &claim));
-                        drop(claim);
-                        return self.settle_again(tenant, earlier, error).await;
+                        aborted = Some(error);
+                        publishing.expect_more(false);
                     }
-                }
+                },
+                Progress::Resolved(report) => break report,
             }
-            // Settle: mark the confirmed prefix, record a refusal, commit.
-            let confirmed_ids = ids(&report, &claim);
-            let settled = claim.settle(&report).await;
-            tracing::debug!(
-                tenant,
-                rows = report.confirmed(),
-                batches_before = earlier.batches,
-                publish_us = confirmed.as_micros(),
-                settle_us = (started.elapsed() - confirmed).as_micros(),
-                "sweep's last batch"
-            );
-            drop(budget);
-            return match settled {
-                Ok(settled) => self.settled(tenant, settled, full, report, earlier, fence),
-                Err(error) => {
-                    earlier.add(report.confirmed(), Vec::new(), &confirmed_ids);
-                    self.settle_again(tenant, earlier, error).await
-                }
-            };
+        };
+        let confirmed = started.elapsed();
+        // A batch cut short (by the byte budget, or where its rows go
+        // another way) is followed at once, like a full one.
+        let full = claim.batch().len() == self.config.batch_size
+            || claim.cut_by_budget()
+            || publishing.cut_short();
+        drop(next_budget);
+        let confirmed_ids = ids(&report, &claim);
+        if let Some(error) = aborted {
+            drop(claim);
+            return self.settle_again(tenant, confirmed_ids, error).await;
         }
+        // Settle: mark the confirmed prefix, record a refusal, commit.
+        let settled = claim.settle(&report).await;
+        tracing::debug!(
+            tenant,
+            rows = report.confirmed(),
+            batches,
+            publish_us = confirmed.as_micros(),
+            settle_us = (started.elapsed() - confirmed).as_micros(),
+            "sweep settled"
+        );
+        drop(budget);
+        match settled {
+            Ok(settled) => self.settled(tenant, settled, full, report, fence),
+            Err(error) => self.settle_again(tenant, confirmed_ids, error).await,
+        }
+    }
+
+    /// Appends the batch read ahead to the claim, if there is one to go on
+    /// with and no other tenant waits for a sweep; the budget it holds.
+    async fn append_ahead(
+        &self,
+        claim: &mut Claim,
+        reserved: Option<Reservation>,
+    ) -> Result<Option<Reservation>, StoreError> {
+        let Some(mut reserved) = reserved else {
+            return Ok(None);
+        };
+        if self.tenants_waiting() || !claim.append_ahead().await? {
+            return Ok(None);
+        }
+        reserved.keep(claim.cost());
+        Ok(Some(reserved))
     }
 
     /// After the claim's marks or commit failed (a commit error, a lost
@@ -328,13 +345,8 @@ impl Relay {
     /// them again at worst, a duplicate at-least-once allows. The refusal
     /// record of the failed transaction, if any, is not written: the row
     /// stays pending and is refused again.
-    async fn settle_again(
-        &self,
-        tenant: &str,
-        confirmed: Earlier,
-        error: StoreError,
-    ) -> SweepOutcome {
-        if confirmed.ids.is_empty() {
+    async fn settle_again(&self, tenant: &str, ids: Vec<i64>, error: StoreError) -> SweepOutcome {
+        if ids.is_empty() {
             return SweepOutcome::Failed(error.into());
         }
         let retries = async {
@@ -342,7 +354,7 @@ impl Relay {
             let mut attempt = 1;
             loop {
                 tokio::time::sleep(pause).await;
-                match self.store.mark_confirmed(&confirmed.ids).await {
+                match self.store.mark_confirmed(&ids).await {
                     Ok(_) => return Ok(attempt),
                     Err(error) if attempt >= SETTLEMENT_ATTEMPTS => return Err(error),
                     Err(error) => {
@@ -353,7 +365,7 @@ impl Relay {
                 pause *= 2;
             }
         };
-        let rows = confirmed.ids.len();
+        let rows = ids.len();
         match tokio::time::timeout(SETTLEMENT_RETRY_LIMIT, retries).await {
             Ok(Ok(attempts)) => {
                 tracing::warn!(
@@ -389,13 +401,13 @@ impl Relay {
         SweepOutcome::Failed(error.into())
     }
 
-    /// Reads the next batch ahead when this one is full and may be followed
-    /// in the same transaction: no tenant waits, fewer than
-    /// [`CHAINED_BATCHES`] went before, and the byte budget has a share free
+    /// Reads the next batch ahead when the claim's last is full and may be
+    /// followed in the same transaction: no tenant waits, the claim holds
+    /// fewer than [`CHAINED_BATCHES`], and the byte budget has a share free
     /// now (taken without waiting, and never ahead of a sweep that waits).
-    fn read_ahead(&self, claim: &Claim, batches_before: usize) -> Option<Reservation> {
-        let full = claim.rows().len() == self.config.batch_size && !claim.cut_by_budget();
-        if !full || batches_before + 1 >= CHAINED_BATCHES || self.tenants_waiting() {
+    fn read_ahead(&self, claim: &Claim, batches: usize) -> Option<Reservation> {
+        let full = claim.batch().len() == self.config.batch_size && !claim.cut_by_budget();
+        if !full || batches >= CHAINED_BATCHES || self.tenants_waiting() {
             return None;
         }
         let reserved = self.budget.try_reserve(self.budget_share)?;
@@ -436,25 +448,19 @@ impl Relay {
         Ok(Some((claim, budget)))
     }
 
-    /// Counts a settled sweep (its last batch, and the batches before it in
-    /// the same transaction) and says how it ended: a `full` last batch is
-    /// followed at once by the next.
+    /// Counts a settled sweep (all the batches of its transaction) and says
+    /// how it ended: a `full` last batch is followed at once by the next.
     fn settled(
         &self,
         tenant: &str,
         Settled { rows, parked }: Settled,
         full: bool,
         report: BatchReport,
-        earlier: Earlier,
         fence: Option<i64>,
     ) -> SweepOutcome {
-        let published = earlier.published + report.confirmed();
+        let published = report.confirmed();
         self.metrics.count_published(tenant, published);
-        for delay in earlier
-            .delays
-            .into_iter()
-            .chain(self.delays(&rows, &report))
-        {
+        for delay in self.delays(&rows, &report) {
             self.metrics.delivered_after(delay);
         }
         match report.refusal {
@@ -496,32 +502,12 @@ fn idle(rows: usize, fence: Option<i64>) -> SweepOutcome {
     }
 }
 
-/// The ids of the batch's confirmed prefix.
+/// The ids of the claim's confirmed prefix.
 fn ids(report: &BatchReport, claim: &Claim) -> Vec<i64> {
     claim.rows()[..report.confirmed().min(claim.rows().len())]
         .iter()
         .map(|row| row.id)
         .collect()
-}
-
-/// The batches a sweep published before its last, in the same transaction:
-/// counted only once it commits.
-#[derive(Debug, Default)]
-struct Earlier {
-    batches: usize,
-    published: usize,
-    delays: Vec<Duration>,
-    /// Their ids, marked again should the commit fail.
-    ids: Vec<i64>,
-}
-
-impl Earlier {
-    fn add(&mut self, published: usize, delays: Vec<Duration>, ids: &[i64]) {
-        self.batches += 1;
-        self.published += published;
-        self.delays.extend(delays);
-        self.ids.extend_from_slice(ids);
-    }
 }
 
 #[cfg(test)]

@@ -178,6 +178,14 @@ impl BatchConfirms {
     pub fn tally(&self) -> MutexGuard<'_, ConfirmTally> {
         lock(&self.tally)
     }
+
+    /// The batch's run grew to `rows` (see `Publishing::extend`).
+    pub fn grow(&self, rows: usize) {
+        let mut tally = self.tally();
+        if rows > tally.confirmed.len() {
+            tally.confirmed.resize(rows, None);
+        }
+    }
 }
 
 impl ConfirmTally {

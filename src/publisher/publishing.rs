@@ -33,23 +33,29 @@ pub enum Progress {
     /// [`PROGRESS_STEP`] more than last told); a refusal found later may
     /// still shorten the prefix: the report has the final word.
     Confirmed(usize),
-    /// The confirm of everything sent is resolved: what became of the batch.
+    /// Every row of the run is sent and more were promised
+    /// ([`Publishing::expect_more`]): the caller extends the run or ends it.
+    Sent,
+    /// The confirm of everything sent is resolved: what became of the run.
     Resolved(BatchReport),
 }
 
-/// One batch being published: its rows go out in order, at most
+/// One run of a claim's rows being published: they go out in order, at most
 /// `max_in_flight` unconfirmed, until all are sent, one is refused, or the
-/// lease is lost; every message sent is then resolved.
+/// lease is lost; every message sent is then resolved. The rows are the
+/// claim's, passed to each call: the run is their first `run`.
 pub struct Publishing<'a> {
     link: &'a Link,
     tenant: &'a str,
-    /// The run of the batch this sweep publishes.
-    rows: &'a [OutboxRow],
-    /// Rows of the batch follow the run: they go another way.
+    /// How many of the claim's rows, from the first, the run holds.
+    run: usize,
+    /// Rows of the claim follow the run: they go another way.
     cut_short: bool,
     /// The run goes alone, one row at a time, on a channel of its own.
     alone: bool,
-    lease: &'a dyn Lease,
+    /// The caller may extend the run: once all of it is sent, the window
+    /// stays open for more ([`Progress::Sent`]).
+    more: bool,
     channel: Option<Arc<ConfirmChannel>>,
     confirms: Arc<BatchConfirms>,
     /// Rows handed to the channel so far.
@@ -64,24 +70,19 @@ pub struct Publishing<'a> {
 }
 
 impl<'a> Publishing<'a> {
-    /// Starts publishing `rows` of `tenant`, in order, while `lease` holds:
-    /// the caller drives it with [`Publishing::next`]. Only the first run of
-    /// rows that go the same way (alone, or on the shared channel) is
-    /// published: see [`Publishing::cut_short`].
-    pub(super) fn new(
-        link: &'a Link,
-        tenant: &'a str,
-        rows: &'a [OutboxRow],
-        lease: &'a dyn Lease,
-    ) -> Publishing<'a> {
+    /// Starts publishing `rows` of `tenant`, in order: the caller drives it
+    /// with [`Publishing::next`]. Only the first run of rows that go the same
+    /// way (alone, or on the shared channel) is published: see
+    /// [`Publishing::cut_short`].
+    pub(super) fn new(link: &'a Link, tenant: &'a str, rows: &[OutboxRow]) -> Publishing<'a> {
         let (alone, run) = link.isolation.first_run(rows);
         Publishing {
             link,
             tenant,
-            rows: &rows[..run],
+            run,
             cut_short: run < rows.len(),
             alone,
-            lease,
+            more: false,
             channel: None,
             confirms: BatchConfirms::new(run),
             sent: 0,
@@ -101,11 +102,41 @@ impl Publishing<'_> {
         self.cut_short
     }
 
+    /// Says whether the caller may still extend the run (it is reading the
+    /// claim's next batch): while it may, the run's end is not the end of
+    /// sending. Never for a run sent alone or cut short.
+    pub fn expect_more(&mut self, more: bool) {
+        self.more = more && !self.alone && !self.cut_short;
+    }
+
+    /// Extends the run over the claim's rows appended since (`rows` is all of
+    /// them, the run's included): the first run of the new rows that goes on
+    /// the shared channel joins it, behind the rows still in flight. Rows
+    /// after that are left, and the run is cut short. Only while the run is
+    /// still sending (see [`Progress::Sent`]); otherwise nothing joins.
+    pub fn extend(&mut self, rows: &[OutboxRow]) {
+        let joining = match rows.get(self.run..) {
+            Some(new) if self.more && self.sending => match self.link.isolation.first_run(new) {
+                (false, run) => run,
+                (true, _) => 0,
+            },
+            _ => 0,
+        };
+        self.run += joining;
+        self.cut_short = self.run < rows.len();
+        self.more = false;
+        self.confirms.grow(self.run);
+    }
+
     /// Sends what the window allows and waits until the confirmed prefix has
-    /// grown by a [`PROGRESS_STEP`] or the confirm of everything sent is resolved.
-    pub async fn next(&mut self) -> Progress {
+    /// grown by a [`PROGRESS_STEP`], every row of the run is sent while more
+    /// were promised, or the confirm of everything sent is resolved. `rows`:
+    /// the claim's, whose first `run` the run is; `lease`: the claim, which
+    /// must still hold for a row to be sent.
+    pub async fn next(&mut self, rows: &[OutboxRow], lease: &dyn Lease) -> Progress {
+        let rows = &rows[..self.run];
         if self.alone {
-            return Progress::Resolved(self.publish_alone().await);
+            return Progress::Resolved(self.publish_alone(rows, lease).await);
         }
         let channel = match &self.channel {
             Some(channel) => channel.clone(),
@@ -117,7 +148,7 @@ impl Publishing<'_> {
         loop {
             let now = self.follow();
             if now.done {
-                return Progress::Resolved(self.report());
+                return Progress::Resolved(self.report(rows));
             }
             // The last step is left to the caller's settlement.
             if self.prefix >= self.reported + PROGRESS_STEP {
@@ -125,12 +156,17 @@ impl Publishing<'_> {
                 return Progress::Confirmed(self.prefix);
             }
             if self.sending {
-                if now.refused || self.sent == self.rows.len() || !self.lease.is_held() {
+                let all_sent = self.sent == rows.len();
+                if now.refused || (all_sent && !self.more) || !lease.is_held() {
                     // Everything sent is resolved, even after a refusal: a
                     // later confirm may carry the return of an earlier row.
                     self.sending = false;
                     channel.sending_done(&self.confirms);
                     continue;
+                }
+                if all_sent {
+                    // The rows in flight stay in flight meanwhile.
+                    return Progress::Sent;
                 }
                 if now.in_flight < self.link.max_in_flight {
                     if channel.is_blocked() {
@@ -142,7 +178,7 @@ impl Publishing<'_> {
                             .refuse(self.sent, Refusal::shared(FailureReason::Timeout, BLOCKED));
                         continue;
                     }
-                    self.send(&channel);
+                    self.send(rows, &channel);
                     continue;
                 }
             }
@@ -153,7 +189,7 @@ impl Publishing<'_> {
                     Refusal::new(FailureReason::Other, "the confirm collector stopped"),
                 );
                 channel.retire();
-                return Progress::Resolved(self.report());
+                return Progress::Resolved(self.report(rows));
             }
         }
     }
@@ -161,15 +197,15 @@ impl Publishing<'_> {
     /// Sends the run's rows one at a time, each alone on a channel of its
     /// own and confirmed before the next, until one is refused: whatever the
     /// broker says of a row is that row's.
-    async fn publish_alone(&self) -> BatchReport {
+    async fn publish_alone(&self, rows: &[OutboxRow], lease: &dyn Lease) -> BatchReport {
         let link = self.link;
         let (channel, frame_max) = match link.channel_alone().await {
             Ok(opened) => opened,
             Err(error) => return BatchReport::refused(error.refusal()),
         };
         let mut report = BatchReport::default();
-        for (index, row) in self.rows.iter().enumerate() {
-            if !self.lease.is_held() {
+        for (index, row) in rows.iter().enumerate() {
+            if !lease.is_held() {
                 break;
             }
             if link.is_blocked() {
@@ -229,9 +265,9 @@ impl Publishing<'_> {
 
     /// Hands the next row to the channel, or refuses it if it cannot be a
     /// message.
-    fn send(&mut self, channel: &ConfirmChannel) {
+    fn send(&mut self, rows: &[OutboxRow], channel: &ConfirmChannel) {
         let index = self.sent;
-        let row = &self.rows[index];
+        let row = &rows[index];
         self.sent += 1;
         let link = self.link;
         let frame_max = channel.frame_max();
@@ -257,18 +293,17 @@ impl Publishing<'_> {
 
     /// Ends the spans of the rows sent (tracing on): each at its confirm, or
     /// with the batch's refusal.
-    fn end_spans(&mut self, confirmed: &[Option<SystemTime>], refusal: Option<&(usize, Refusal)>) {
+    fn end_spans(
+        &mut self,
+        rows: &[OutboxRow],
+        confirmed: &[Option<SystemTime>],
+        refusal: Option<&(usize, Refusal)>,
+    ) {
         for (index, span) in self.spans.drain(..).enumerate() {
             let Some(span) = span else { continue };
             let refusal = refusal.map(|(at, refusal)| (*at == index, refusal));
             let confirmed_at = confirmed.get(index).copied().flatten();
-            spans::end(
-                span,
-                self.tenant,
-                self.rows[index].id,
-                confirmed_at,
-                refusal,
-            );
+            spans::end(span, self.tenant, rows[index].id, confirmed_at, refusal);
         }
     }
 
@@ -289,8 +324,8 @@ impl Publishing<'_> {
         }
     }
 
-    /// The batch's report: the confirmed prefix up to the first refusal.
-    fn report(&mut self) -> BatchReport {
+    /// The run's report: the confirmed prefix up to the first refusal.
+    fn report(&mut self, rows: &[OutboxRow]) -> BatchReport {
         let mut tally = self.confirms.tally();
         let mut report = std::mem::take(&mut tally.report);
         // A row the broker nacked or returned goes alone until it is
@@ -302,14 +337,11 @@ impl Publishing<'_> {
                 refusal.reason,
                 FailureReason::Nack | FailureReason::Unroutable
             )
-            && let Some(row) = self.rows.get(*at)
+            && let Some(row) = rows.get(*at)
         {
             self.link.isolation.suspect(row.id);
         }
-        let limit = report
-            .refusal
-            .as_ref()
-            .map_or(self.rows.len(), |(at, _)| *at);
+        let limit = report.refusal.as_ref().map_or(rows.len(), |(at, _)| *at);
         report.confirmed_at = tally
             .confirmed
             .iter()
@@ -320,7 +352,7 @@ impl Publishing<'_> {
         let confirmed = (!self.spans.is_empty()).then(|| tally.confirmed.clone());
         drop(tally);
         if let Some(confirmed) = confirmed {
-            self.end_spans(&confirmed, report.refusal.as_ref());
+            self.end_spans(rows, &confirmed, report.refusal.as_ref());
         }
         report
     }

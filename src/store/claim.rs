@@ -39,8 +39,12 @@ pub struct Claim {
     conn: Option<Arc<Object>>,
     store: Store,
     tenant: Arc<str>,
+    /// The claim's batches, in outbox order: the first read at the claim,
+    /// then each read ahead and appended (see [`Claim::append_ahead`]).
     rows: Vec<OutboxRow>,
-    /// More rows were pending than the byte budget let the batch hold.
+    /// Where the last batch starts among `rows`.
+    batch_start: usize,
+    /// More rows were pending than the byte budget let the last batch hold.
     cut_by_budget: bool,
     /// A writer of the tenant was in flight at the claim: the rows stop at
     /// the caller's safe bound, not at the sequence's position.
@@ -85,6 +89,7 @@ impl Store {
             store: self.clone(),
             tenant: tenant.into(),
             rows: Vec::new(),
+            batch_start: 0,
             cut_by_budget: false,
             writers: false,
             position: 0,
@@ -177,20 +182,25 @@ impl Claim {
             .expect("a claim holds its connection until it ends")
     }
 
-    /// The batch, in outbox order.
+    /// The claim's rows, all its batches, in outbox order.
     pub fn rows(&self) -> &[OutboxRow] {
         &self.rows
     }
 
-    /// Whether the batch stopped at the byte budget with more rows pending
-    /// behind it (so the tenant is swept again at once).
+    /// The claim's last batch.
+    pub fn batch(&self) -> &[OutboxRow] {
+        &self.rows[self.batch_start..]
+    }
+
+    /// Whether the last batch stopped at the byte budget with more rows
+    /// pending behind it (so the tenant is swept again at once).
     pub fn cut_by_budget(&self) -> bool {
         self.cut_by_budget
     }
 
-    /// What the batch holds of the byte budget.
+    /// What the last batch holds of the byte budget.
     pub fn cost(&self) -> usize {
-        self.rows.iter().map(|row| row.cost).sum()
+        self.batch().iter().map(|row| row.cost).sum()
     }
 
     /// The first row's cost when it alone was over the sweep's share of the
@@ -226,12 +236,13 @@ impl Claim {
         Ok(())
     }
 
-    /// Ends the claim as the batch went: marks the confirmed prefix (what the
+    /// Ends the claim as its rows went: marks the confirmed prefix (what the
     /// marks sent ahead did not cover), undoes marks sent ahead past it,
     /// records a refusal known to be the row's (parking the row when the
     /// refusal is one that parks and its attempts reached
     /// `park_after_attempts`), and commits, in one round trip; gives the batch
     /// back. On any error the transaction is abandoned and nothing is marked.
+    /// `report` covers the claim's rows from the first.
     pub async fn settle(mut self, report: &BatchReport) -> Result<Settled, StoreError> {
         self.marks_ahead_done().await?;
         let confirmed = report.confirmed();

@@ -206,13 +206,18 @@ struct Nacking {
     relay: RelayHandle,
 }
 
-async fn nacking(tenant: &str, rows: i64, capacity: i32, max_in_flight: usize) -> Nacking {
+async fn nacking(
+    tenant: &str,
+    rows: i64,
+    capacity: i32,
+    (batch_size, max_in_flight): (usize, usize),
+) -> Nacking {
     let outbox = Outbox::create().await;
     let broker = Broker::create(&[]).await;
     let capped = broker.capped_queue(&format!("{tenant}.#"), capacity).await;
     let ids = outbox.insert_many(tenant, rows).await;
     let mut config = config(&outbox, &broker, &[tenant]);
-    config.batch_size = 256;
+    config.batch_size = batch_size;
     config.max_in_flight = max_in_flight;
     config.max_backoff_ms = 300;
     let relay = start_relay(config).await;
@@ -239,7 +244,7 @@ async fn a_nacked_row_marks_only_the_confirmed_prefix() {
         capped,
         ids,
         relay,
-    } = nacking("full", 6, 3, 1).await;
+    } = nacking("full", 6, 3, (256, 1)).await;
     for id in &ids[..3] {
         assert!(
             outbox.row(*id).await.published,
@@ -402,7 +407,7 @@ async fn a_nack_deep_in_a_batch_marks_exactly_the_confirmed_prefix() {
         capped,
         ids,
         relay,
-    } = nacking("deep", 300, 150, 256).await;
+    } = nacking("deep", 300, 150, (256, 256)).await;
     relay.stop().await;
     assert_eq!(
         outbox.published_ids().await,
@@ -417,6 +422,42 @@ async fn a_nack_deep_in_a_batch_marks_exactly_the_confirmed_prefix() {
     for id in &ids[151..] {
         assert_eq!(outbox.row(*id).await.attempts, 0, "row {id}");
     }
+    broker.purge(&capped).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nack_in_a_later_batch_of_one_window_marks_exactly_the_confirmed_prefix() {
+    // Batches of 64 chained in one transaction, one window of 64 sliding
+    // across them: the rows of the third batch go out while the second's
+    // are confirmed, and the queue nacks from row 150 on, inside the third.
+    // Rows of the fourth may be in flight when the nack comes back.
+    let Nacking {
+        outbox,
+        broker,
+        capped,
+        ids,
+        relay,
+    } = nacking("window", 300, 150, (64, 64)).await;
+    let metrics = relay.get("/metrics").await.1;
+    relay.stop().await;
+    assert_eq!(
+        outbox.published_ids().await,
+        ids[..150].to_vec(),
+        "exactly the confirmed prefix is marked, across the batches"
+    );
+    let refused = outbox.row(ids[150]).await;
+    assert!(
+        refused.last_error.as_deref().unwrap().starts_with("nack: "),
+        "{refused:?}"
+    );
+    for id in &ids[151..] {
+        assert_eq!(outbox.row(*id).await.attempts, 0, "row {id}");
+    }
+    assert_eq!(
+        metric(&metrics, "outbox_published_total{tenant=\"window\"}"),
+        Some(150.0),
+        "each confirmed row counted once:\n{metrics}"
+    );
     broker.purge(&capped).await;
 }
 

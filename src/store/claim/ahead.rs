@@ -33,7 +33,7 @@ enum Answers {
 /// were sent, so whoever waits for one polls them all.
 #[derive(Default)]
 pub(super) struct MarksAhead {
-    /// Rows of the batch, from its start, that the marks cover.
+    /// The claim's rows, from its first, that the marks cover.
     pub(super) rows: usize,
     pub(super) sent: Vec<MarkAhead>,
     pub(super) next: Option<ReadAhead>,
@@ -81,7 +81,7 @@ impl MarksAhead {
         }
     }
 
-    /// The ids of the batch's first `prefix` rows that no mark sent covers
+    /// The ids of the claim's first `prefix` rows that no mark sent covers
     /// yet, now noted as covered; `None`, and nothing noted, when `prefix`
     /// is behind what the marks cover or past the batch.
     fn cover(&mut self, rows: &[OutboxRow], prefix: usize) -> Option<Vec<i64>> {
@@ -97,7 +97,7 @@ impl MarksAhead {
     /// Takes in the answers that came: the rows the answered marks marked,
     /// or the first error among them. A failed read ahead has aborted the
     /// transaction too (its COMMIT would only roll back): its error ends the
-    /// claim. A batch read is left for [`Claim::advance`].
+    /// claim. A batch read is left for [`Claim::append_ahead`].
     fn take_answers(&mut self) -> Result<u64, StoreError> {
         let mut marked = 0;
         let mut first_error = None;
@@ -125,7 +125,7 @@ impl MarksAhead {
         Ok(marked)
     }
 
-    /// What the settlement of a batch (`rows`) whose first `confirmed` rows
+    /// What the settlement of a claim's rows (`rows`) whose first `confirmed` rows
     /// were confirmed has left to do: the ids to mark (confirmed, not marked
     /// ahead) and the ids to unmark (marked ahead past the confirmed
     /// prefix).
@@ -138,7 +138,7 @@ impl MarksAhead {
 }
 
 impl Claim {
-    /// Sends the UPDATE marking the batch's first `prefix` rows published
+    /// Sends the UPDATE marking the claim's first `prefix` rows published
     /// (those not marked yet), inside the claim's transaction, while the rest
     /// of the batch is still being confirmed; the marks become visible only at
     /// the commit, and [`Claim::settle`] undoes any that end up past the
@@ -160,10 +160,11 @@ impl Claim {
         ahead.poll_now();
     }
 
-    /// Sends the read of the batch after this one (the tenant's pending rows
-    /// after its last id, as many as `budget` bytes hold) in the claim's
-    /// transaction, so that it is done while this batch is published; see
-    /// [`Claim::reading_ahead`] and [`Claim::advance`].
+    /// Sends the read of the batch after the claim's last (the tenant's
+    /// pending rows after its last id, as many as `budget` bytes hold) in
+    /// the claim's transaction, so that it is done while the rows before it
+    /// are published; see [`Claim::reading_ahead`] and
+    /// [`Claim::append_ahead`].
     pub fn read_ahead(&self, budget: usize) {
         let Some(after) = self.rows.last().map(|row| row.id) else {
             return;
@@ -201,16 +202,14 @@ impl Claim {
         .await
     }
 
-    /// Once every row of this batch was confirmed: sends the mark of the
-    /// rest of them (in the transaction) and makes the batch read ahead the
-    /// claim's batch, as soon as that read is answered; the mark's answer is
-    /// awaited later, beside the next batch's confirms (it comes after the
-    /// read's, and a failed one fails the claim at its settlement).
-    /// `Ok(false)`, and the claim unchanged but for its marks, when there is
-    /// no next batch to go on with: none was read, it is empty, or its first
-    /// row was too large for the read's share (its own sweep reads it).
-    pub async fn advance(&mut self) -> Result<bool, StoreError> {
-        self.mark_ahead(self.rows.len());
+    /// Once the read ahead is answered, appends the batch it read to the
+    /// claim's rows: the claim's batches go out as one run, and the marks
+    /// keep counting from its first row. `Ok(false)`, and the claim
+    /// unchanged, when there is no batch to go on with: none was read, it is
+    /// empty, or its first row was too large for the read's share (its own
+    /// sweep reads it). A failed read or mark has aborted the transaction:
+    /// its error.
+    pub async fn append_ahead(&mut self) -> Result<bool, StoreError> {
         let answered = self.answered(Answers::ReadAhead).await;
         self.store.dropping_idle_if_read_only(answered)?;
         let ahead = self.ahead.get_mut().unwrap_or_else(|e| e.into_inner());
@@ -221,8 +220,8 @@ impl Claim {
         if !batch.can_follow() {
             return Ok(false);
         }
-        ahead.rows = 0;
-        self.rows = batch.rows;
+        self.batch_start = self.rows.len();
+        self.rows.extend(batch.rows);
         self.cut_by_budget = batch.cut_by_budget;
         self.largest_read = self.largest_read.max(batch.largest_read);
         Ok(true)
@@ -348,7 +347,7 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_read_ahead_fails_the_wait_and_a_read_batch_is_left_for_advance() {
+    fn a_failed_read_ahead_fails_the_wait_and_a_read_batch_is_left_to_be_appended() {
         let mut ahead = MarksAhead {
             rows: 0,
             sent: vec![answered(1)],
@@ -365,7 +364,7 @@ mod tests {
             next: Some(Started::new(async { Ok(ReadRows::default()) })),
         };
         assert_eq!(ahead.take_answers().unwrap(), 1);
-        let next = ahead.next.as_mut().expect("kept for advance");
+        let next = ahead.next.as_mut().expect("kept to be appended");
         assert!(matches!(next.take(), Some(Ok(_))));
     }
 
