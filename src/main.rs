@@ -16,6 +16,9 @@ use tokio::runtime::Runtime;
 /// them (callgrind, one tenant drained). mimalloc's version 2 gives freed
 /// memory back to the system within 10 ms (version 3 keeps it for a second,
 /// which let the peak with the heaviest rows pass the manifests' limit).
+/// Built with `no_thp`: it asks for no transparent huge pages, which the
+/// kernel zeroed 2 MiB at a time each time a purged page was touched again
+/// (a tenth of the relay's CPU in a drain by 3 relays; docs/benchmarks.md).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
