@@ -20,6 +20,13 @@ use crate::store::{StoreError, Watched, Writers};
 pub const WATCH_TICK: Duration = Duration::from_millis(5);
 pub const WATCH_WINDOW: Duration = Duration::from_millis(100);
 pub const WATCH_SPAN: i64 = 1024;
+/// ... but only this often while tenants already wait for a sweep (every
+/// slot of `concurrency` is taken): a tenant the read would list could not
+/// start sooner, only join the queue, and at five-millisecond intervals the
+/// reads of three relays cost PostgreSQL and the relays about 4 µs per
+/// message of a drain (docs/benchmarks.md). A slot that frees with no tenant
+/// waiting brings the next read at once ...
+pub const WATCH_TICK_BUSY: Duration = Duration::from_millis(25);
 /// ... until it has stood still this long with nothing to sweep: then the
 /// relay asks writers for a notification again (the wake-up lock) and waits.
 pub const WATCH_QUIET: Duration = Duration::from_millis(100);
@@ -40,6 +47,9 @@ pub(super) struct Watch {
     history: VecDeque<(Instant, i64)>,
     /// The last sign of rows flowing.
     active_at: Instant,
+    /// When the last read was answered, and when the next is due while no
+    /// tenant waits for a sweep.
+    read_at: Instant,
     next_tick: Instant,
     pub(super) tick: Option<PositionRead>,
     /// Once the wake-up lock is taken: are writers in flight that took their
@@ -56,6 +66,7 @@ impl Watch {
             moved: false,
             history: VecDeque::new(),
             active_at: Instant::now(),
+            read_at: Instant::now(),
             next_tick: Instant::now(),
             tick: None,
             in_flight: None,
@@ -115,7 +126,8 @@ impl Scheduler {
         }
     }
 
-    /// Starts the next read of the id sequence's position when due, or, once
+    /// Starts the next read of the id sequence's position when due (see
+    /// [`WATCH_TICK_BUSY`]), or, once
     /// it has stood still for [`WATCH_QUIET`] with nothing to sweep, goes
     /// back to waiting for a notification. Returns when to look again.
     pub(super) fn watch_turn(&mut self, now: Instant) -> Option<Instant> {
@@ -131,7 +143,16 @@ impl Scheduler {
             self.relay.wakeups.want_notifications(true);
             return None;
         }
-        if now >= self.watch.next_tick {
+        let saturated =
+            self.schedule.has_ready() && self.sweeps.len() >= self.relay.config.concurrency;
+        let due = if saturated {
+            self.watch
+                .next_tick
+                .max(self.watch.read_at + WATCH_TICK_BUSY)
+        } else {
+            self.watch.next_tick
+        };
+        if now >= due {
             let relay = self.relay.clone();
             let (watched, moved) = (self.watch.position, self.watch.moved);
             let since = self
@@ -144,7 +165,7 @@ impl Scheduler {
             }));
             return None;
         }
-        Some(self.watch.next_tick)
+        Some(due)
     }
 
     /// The id sequence's position was read: on a move (or the read after
@@ -152,6 +173,7 @@ impl Scheduler {
     /// with rows pending, and each is readied as a notification would be.
     pub(super) fn position_read(&mut self, read: Result<Watched, StoreError>) {
         let now = Instant::now();
+        self.watch.read_at = now;
         self.watch.next_tick = now + WATCH_TICK;
         let Ok(Watched { position, tenants }) = read else {
             self.watch.next_tick = now + self.relay.config.poll_interval();
