@@ -396,6 +396,24 @@ async fn a_too_large_payload_and_malformed_headers_are_refused_without_being_sen
     assert_eq!(received["fine"], fine);
 }
 
+/// The rows before `ids[nacked]` are marked and no other; the nacked row
+/// has the nack recorded, and no row after it was charged an attempt.
+async fn exactly_the_prefix_is_marked(outbox: &Outbox, ids: &[i64], nacked: usize) {
+    assert_eq!(
+        outbox.published_ids().await,
+        ids[..nacked].to_vec(),
+        "exactly the confirmed prefix is marked"
+    );
+    let refused = outbox.row(ids[nacked]).await;
+    assert!(
+        refused.last_error.as_deref().unwrap().starts_with("nack: "),
+        "{refused:?}"
+    );
+    for id in &ids[nacked + 1..] {
+        assert_eq!(outbox.row(*id).await.attempts, 0, "row {id}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nack_deep_in_a_batch_marks_exactly_the_confirmed_prefix() {
     // A batch of 256 is marked ahead in steps while it is confirmed; the
@@ -409,19 +427,7 @@ async fn a_nack_deep_in_a_batch_marks_exactly_the_confirmed_prefix() {
         relay,
     } = nacking("deep", 300, 150, (256, 256)).await;
     relay.stop().await;
-    assert_eq!(
-        outbox.published_ids().await,
-        ids[..150].to_vec(),
-        "exactly the confirmed prefix is marked"
-    );
-    let refused = outbox.row(ids[150]).await;
-    assert!(
-        refused.last_error.as_deref().unwrap().starts_with("nack: "),
-        "{refused:?}"
-    );
-    for id in &ids[151..] {
-        assert_eq!(outbox.row(*id).await.attempts, 0, "row {id}");
-    }
+    exactly_the_prefix_is_marked(&outbox, &ids, 150).await;
     broker.purge(&capped).await;
 }
 
@@ -440,19 +446,7 @@ async fn a_nack_in_a_later_batch_of_one_window_marks_exactly_the_confirmed_prefi
     } = nacking("window", 300, 150, (64, 64)).await;
     let metrics = relay.get("/metrics").await.1;
     relay.stop().await;
-    assert_eq!(
-        outbox.published_ids().await,
-        ids[..150].to_vec(),
-        "exactly the confirmed prefix is marked, across the batches"
-    );
-    let refused = outbox.row(ids[150]).await;
-    assert!(
-        refused.last_error.as_deref().unwrap().starts_with("nack: "),
-        "{refused:?}"
-    );
-    for id in &ids[151..] {
-        assert_eq!(outbox.row(*id).await.attempts, 0, "row {id}");
-    }
+    exactly_the_prefix_is_marked(&outbox, &ids, 150).await;
     assert_eq!(
         metric(&metrics, "outbox_published_total{tenant=\"window\"}"),
         Some(150.0),
