@@ -266,20 +266,19 @@ impl Relay {
             };
             match progress {
                 Progress::Confirmed(prefix) => claim.mark_ahead(prefix),
-                Progress::Sent => match self.append_ahead(&mut claim, next_budget.take()).await {
-                    Ok(Some(reserved)) => {
-                        budget.absorb(reserved);
-                        publishing.extend(claim.rows());
-                        batches += 1;
-                        next_budget = self.read_ahead(&claim, batches);
-                        publishing.expect_more(next_budget.is_some());
+                Progress::Sent => {
+                    match self.append_ahead(&mut claim, next_budget.take()).await {
+                        Ok(Some(reserved)) => {
+                            budget.absorb(reserved);
+                            publishing.extend(claim.rows());
+                            batches += 1;
+                            next_budget = self.read_ahead(&claim, batches);
+                        }
+                        Ok(None) => {}
+                        Err(error) => aborted = Some(error),
                     }
-                    Ok(None) => publishing.expect_more(false),
-                    Err(error) => {
-                        aborted = Some(error);
-                        publishing.expect_more(false);
-                    }
-                },
+                    publishing.expect_more(next_budget.is_some());
+                }
                 Progress::Resolved(report) => break report,
             }
         };

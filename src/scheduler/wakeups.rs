@@ -133,9 +133,9 @@ impl Scheduler {
     }
 
     /// Starts the next read of the id sequence's position when due (see
-    /// [`WATCH_TICK_BUSY`]), or, once
-    /// it has stood still for [`WATCH_QUIET`] with nothing to sweep, goes
-    /// back to waiting for a notification. Returns when to look again.
+    /// [`WATCH_TICK_BUSY`]), or, once it has stood still for [`WATCH_QUIET`]
+    /// with nothing to sweep, goes back to waiting for a notification.
+    /// Returns when to look again.
     pub(super) fn watch_turn(&mut self, now: Instant) -> Option<Instant> {
         if !self.watch.watching || self.watch.tick.is_some() {
             return None;
@@ -180,14 +180,13 @@ impl Scheduler {
     pub(super) fn position_read(&mut self, read: Result<Watched, StoreError>) {
         let now = Instant::now();
         self.watch.read_at = now;
-        self.watch.next_tick = now + WATCH_TICK;
         let Ok(Watched { position, tenants }) = read else {
             self.watch.next_tick = now + self.relay.config.poll_interval();
             return;
         };
         let moved = position != self.watch.position;
+        self.watch.next_tick = now + if moved { WATCH_TICK_MOVING } else { WATCH_TICK };
         if moved {
-            self.watch.next_tick = now + WATCH_TICK_MOVING;
             self.watch.position = position;
             self.watch.active_at = now;
         }
