@@ -12,13 +12,17 @@
 //! transaction back and no half-used connection is ever handed to another
 //! sweep.
 //!
-//! Every statement goes out unnamed (`query_typed`: parse, bind and execute in
-//! one message sequence, with its parameters' types given here), never as a
-//! named prepared statement: through PgBouncer in transaction pooling, a
-//! connection's next transaction may run on another server connection, where
-//! a name prepared before means nothing, or means another client's statement.
-//! Nothing else is kept in the session either: the claim's settings are
-//! transaction-local (but for the server's TCP keepalives, see [`connect`](fn@connect)).
+//! Statements go out unnamed (`query_typed`: parse, bind and execute in one
+//! message sequence, with its parameters' types given here), never as a
+//! prepared statement kept on the session: through PgBouncer in transaction
+//! pooling, a connection's next transaction may run on another server
+//! connection, where a name prepared before means nothing, or means another
+//! client's statement. The one exception lives and dies inside a claim's
+//! transaction: a claim that reads ahead prepares its read and mark once for
+//! all its batches, and closes them before its commit (see
+//! `claim::ahead::Prepared`). Nothing else is kept in the session either: the
+//! claim's settings are transaction-local (but for the server's TCP
+//! keepalives, see [`connect`](fn@connect)).
 //!
 //! Several hosts: each connection tries them in turn (see [`connect`](fn@connect)). A
 //! server that stops taking writes (a primary demoted in a failover) is

@@ -9,9 +9,9 @@ use std::sync::{Arc, Mutex};
 use deadpool_postgres::Object;
 use tokio_postgres::types::{ToSql, Type};
 
-use self::ahead::MarksAhead;
+use self::ahead::{MarksAhead, PreparedSlot};
 use super::columns::{self, Raw};
-use super::query::{deadline, update_ids};
+use super::query::{Sql, deadline, update_ids};
 use super::read::{PayloadOf, RETAINED_READ_MAX, ReadRows, read_bytes};
 use super::statements::{BEGIN, CLAIM};
 use super::{Store, StoreError};
@@ -54,6 +54,8 @@ pub struct Claim {
     /// The most any one row read on the claim's connection brought.
     largest_read: usize,
     ahead: Mutex<MarksAhead>,
+    /// The read and the mark, once prepared (see `ahead::Prepared`).
+    prepared: PreparedSlot,
 }
 
 impl Store {
@@ -95,6 +97,7 @@ impl Store {
             position: 0,
             largest_read: 0,
             ahead: Mutex::new(MarksAhead::default()),
+            prepared: PreparedSlot::default(),
         };
         let client = claim.client();
         let work = async {
@@ -112,7 +115,13 @@ impl Store {
             let (begin, taken, batch) = tokio::join!(
                 client.batch_execute(BEGIN),
                 client.query_typed_one(CLAIM, &claim_params),
-                self.read_batch(client, tenant, i64::MIN, budget),
+                self.read_batch(
+                    client,
+                    Sql::Text(&self.statements().read_batch),
+                    tenant,
+                    i64::MIN,
+                    budget,
+                ),
             );
             begin?;
             let claimed = taken?;
@@ -154,7 +163,7 @@ impl Store {
         let conn = self.connection().await?;
         let result = deadline(
             "marking confirmed rows again",
-            update_ids(&conn, &self.statements().mark_published, ids),
+            update_ids(&conn, Sql::Text(&self.statements().mark_published), ids),
         )
         .await;
         if result.is_err() {
@@ -245,6 +254,7 @@ impl Claim {
     /// `report` covers the claim's rows from the first.
     pub async fn settle(mut self, report: &BatchReport) -> Result<Settled, StoreError> {
         self.marks_ahead_done().await?;
+        self.close_prepared();
         let confirmed = report.confirmed();
         let ahead = self.ahead.get_mut().unwrap_or_else(|e| e.into_inner());
         let (published, unpublished) = ahead.settlement(&self.rows, confirmed);
@@ -288,8 +298,12 @@ impl Claim {
                 }
             };
             let (marked, unmarked, recorded, commit) = tokio::join!(
-                update_ids(client, &statements.mark_published, &published),
-                update_ids(client, &statements.unmark_published, &unpublished),
+                update_ids(client, Sql::Text(&statements.mark_published), &published),
+                update_ids(
+                    client,
+                    Sql::Text(&statements.unmark_published),
+                    &unpublished
+                ),
                 refused,
                 client.batch_execute("COMMIT")
             );
@@ -313,6 +327,7 @@ impl Claim {
     /// Ends the transaction without changes.
     pub async fn rollback(mut self) -> Result<(), StoreError> {
         self.marks_ahead_done().await?;
+        self.close_prepared();
         let client = self.client();
         deadline("the rollback", async {
             Ok(client.batch_execute("ROLLBACK").await?)

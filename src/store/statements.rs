@@ -7,6 +7,13 @@
 /// and those rows would be published again — a duplicate, never a loss, which
 /// at-least-once allows. It takes the disk flush out of every batch's path.
 pub(super) const BEGIN: &str = "BEGIN; SET LOCAL synchronous_commit = off";
+/// Sent once a claim prepares its read and mark (see `claim::ahead::Prepared`),
+/// so that each is planned once for the rest of the transaction instead of
+/// for every batch. The generic plans use the pending index as the custom
+/// ones do: `read_batch.sql` is written so that only that index yields its
+/// order, and the marks find their rows by the primary key (both checked by
+/// the test of plans).
+pub(super) const GENERIC_PLANS: &str = "SET LOCAL plan_cache_mode = force_generic_plan";
 pub(super) const CLAIM: &str = include_str!("claim.sql");
 pub(super) const COLUMNS: &str = include_str!("columns.sql");
 pub(super) const SEQUENCE: &str = include_str!("sequence.sql");

@@ -244,7 +244,45 @@ async fn two_relays_two_tables_one_small_pool(url: String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_relays_on_two_tables_through_transaction_pooling() {
     let url = through_pgbouncer(TRANSACTION_PORT, "transaction").await;
-    two_relays_two_tables_one_small_pool(url).await;
+    two_relays_two_tables_one_small_pool(url.clone()).await;
+    // A claim that reads ahead prepares its read and mark: they are closed
+    // before its transaction ends, so none is left on the server
+    // connections the pool hands to its next clients (in transaction
+    // pooling, PgBouncer resets nothing between them).
+    let left = statements_left_in_the_pool(&url).await;
+    assert!(left.is_empty(), "statements left in the pool: {left:?}");
+}
+
+/// The prepared statements on each of the 2 server connections of the pool
+/// behind `url`: a transaction on each at once, so that both are asked.
+async fn statements_left_in_the_pool(url: &str) -> Vec<String> {
+    let mut clients = Vec::new();
+    for _ in 0..2 {
+        let (client, connection) = tokio_postgres::connect(url, NoTls)
+            .await
+            .expect("connect through PgBouncer");
+        tokio::spawn(connection);
+        client.batch_execute("BEGIN").await.expect("BEGIN");
+        clients.push(client);
+    }
+    let mut servers = Vec::new();
+    let mut left = Vec::new();
+    for client in &clients {
+        let values = |sql: &'static str| async move {
+            let rows = client.simple_query(sql).await.expect(sql);
+            rows.iter()
+                .filter_map(|message| match message {
+                    SimpleQueryMessage::Row(row) => row.get(0).map(str::to_owned),
+                    _ => None,
+                })
+                .collect::<Vec<String>>()
+        };
+        servers.extend(values("SELECT pg_backend_pid()").await);
+        left.extend(values("SELECT name FROM pg_prepared_statements").await);
+    }
+    servers.dedup();
+    assert_eq!(servers.len(), 2, "both server connections asked");
+    left
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
