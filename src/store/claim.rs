@@ -9,11 +9,11 @@ use std::sync::{Arc, Mutex};
 use deadpool_postgres::Object;
 use tokio_postgres::types::{ToSql, Type};
 
-use self::ahead::{MarksAhead, PreparedSlot};
+use self::ahead::MarksAhead;
 use super::columns::{self, Raw};
-use super::query::{Sql, deadline, update_ids};
+use super::query::{deadline, mark_prepared, update_ids};
 use super::read::{PayloadOf, RETAINED_READ_MAX, ReadRows, read_bytes};
-use super::statements::{BEGIN, CLAIM};
+use super::statements::{BEGIN, CLAIM, DEALLOCATE};
 use super::{Store, StoreError};
 use crate::domain::{BatchReport, Lease, OutboxRow, Payload};
 
@@ -54,8 +54,6 @@ pub struct Claim {
     /// The most any one row read on the claim's connection brought.
     largest_read: usize,
     ahead: Mutex<MarksAhead>,
-    /// The read and the mark, once prepared (see `ahead::Prepared`).
-    prepared: PreparedSlot,
 }
 
 impl Store {
@@ -97,7 +95,6 @@ impl Store {
             position: 0,
             largest_read: 0,
             ahead: Mutex::new(MarksAhead::default()),
-            prepared: PreparedSlot::default(),
         };
         let client = claim.client();
         let work = async {
@@ -115,13 +112,7 @@ impl Store {
             let (begin, taken, batch) = tokio::join!(
                 client.batch_execute(BEGIN),
                 client.query_typed_one(CLAIM, &claim_params),
-                self.read_batch(
-                    client,
-                    Sql::Text(&self.statements().read_batch),
-                    tenant,
-                    i64::MIN,
-                    budget,
-                ),
+                self.read_batch(client, false, tenant, i64::MIN, budget),
             );
             begin?;
             let claimed = taken?;
@@ -163,7 +154,7 @@ impl Store {
         let conn = self.connection().await?;
         let result = deadline(
             "marking confirmed rows again",
-            update_ids(&conn, Sql::Text(&self.statements().mark_published), ids),
+            update_ids(&conn, &self.statements().mark_published, ids),
         )
         .await;
         if result.is_err() {
@@ -254,10 +245,10 @@ impl Claim {
     /// `report` covers the claim's rows from the first.
     pub async fn settle(mut self, report: &BatchReport) -> Result<Settled, StoreError> {
         self.marks_ahead_done().await?;
-        self.close_prepared();
         let confirmed = report.confirmed();
         let ahead = self.ahead.get_mut().unwrap_or_else(|e| e.into_inner());
         let (published, unpublished) = ahead.settlement(&self.rows, confirmed);
+        let prepared = ahead.prepared;
         // Only a refusal known to be the row's is written on it: a failure of
         // the channel or connection it shared with other tenants' rows blames
         // none of them (see `Refusal::attributed`).
@@ -297,21 +288,26 @@ impl Claim {
                     None => Ok(None),
                 }
             };
-            let (marked, unmarked, recorded, commit) = tokio::join!(
-                update_ids(client, Sql::Text(&statements.mark_published), &published),
-                update_ids(
-                    client,
-                    Sql::Text(&statements.unmark_published),
-                    &unpublished
-                ),
+            let marked = async {
+                match prepared {
+                    true => mark_prepared(client, &published).await,
+                    false => update_ids(client, &statements.mark_published, &published).await,
+                }
+            };
+            let (marked, unmarked, recorded, deallocated, commit) = tokio::join!(
+                marked,
+                update_ids(client, &statements.unmark_published, &unpublished),
                 refused,
+                deallocate(client, prepared),
                 client.batch_execute("COMMIT")
             );
             // A failed statement turns the COMMIT into a rollback: report the
-            // statement's error, not the commit's success.
+            // statement's error, not the commit's success. (The connection
+            // then closes with the claim, and what it prepared with it.)
             marked?;
             unmarked?;
             let parked = recorded?;
+            deallocated?;
             commit?;
             Ok(parked)
         };
@@ -327,10 +323,19 @@ impl Claim {
     /// Ends the transaction without changes.
     pub async fn rollback(mut self) -> Result<(), StoreError> {
         self.marks_ahead_done().await?;
-        self.close_prepared();
+        let prepared = self
+            .ahead
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .prepared;
         let client = self.client();
         deadline("the rollback", async {
-            Ok(client.batch_execute("ROLLBACK").await?)
+            let (deallocated, rollback) = tokio::join!(
+                deallocate(client, prepared),
+                client.batch_execute("ROLLBACK")
+            );
+            deallocated?;
+            Ok(rollback?)
         })
         .await?;
         self.release();
@@ -348,6 +353,15 @@ impl Claim {
         {
             drop(Object::take(conn));
         }
+    }
+}
+
+/// Drops the statements a claim `prepared` (see `Statements::prepare`), if it
+/// did, in its transaction.
+async fn deallocate(client: &Object, prepared: bool) -> Result<(), tokio_postgres::Error> {
+    match prepared {
+        true => client.batch_execute(DEALLOCATE).await,
+        false => Ok(()),
     }
 }
 

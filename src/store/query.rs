@@ -5,9 +5,9 @@ use std::future::Future;
 use std::time::Duration;
 
 use deadpool_postgres::Object;
-use tokio_postgres::Statement;
 use tokio_postgres::types::{ToSql, Type};
 
+use super::statements::execute_mark;
 use super::{Store, StoreError};
 
 /// Deadline of each round trip of a sweep, and of the poll and lag queries.
@@ -58,30 +58,21 @@ pub(crate) async fn within<T>(
         .unwrap_or(Err(StoreError::Timeout(what, limit)))
 }
 
-/// A statement as the store runs it: by its text, sent unnamed (parsed and
-/// planned again on every run), or prepared on the connection it runs on
-/// (a claim's, see `claim::Prepared`).
-#[derive(Clone, Copy)]
-pub(super) enum Sql<'a> {
-    Text(&'a str),
-    Prepared(&'a Statement),
-}
-
 /// Runs an `UPDATE … WHERE id = ANY($1)` statement; no round trip for no ids.
-pub(super) async fn update_ids(
-    client: &Object,
-    sql: Sql<'_>,
-    ids: &[i64],
-) -> Result<u64, StoreError> {
+pub(super) async fn update_ids(client: &Object, sql: &str, ids: &[i64]) -> Result<u64, StoreError> {
     if ids.is_empty() {
         return Ok(0);
     }
-    Ok(match sql {
-        Sql::Text(sql) => {
-            client
-                .execute_typed(sql, &[(&ids, Type::INT8_ARRAY)])
-                .await?
-        }
-        Sql::Prepared(statement) => client.execute(statement, &[&ids]).await?,
-    })
+    Ok(client
+        .execute_typed(sql, &[(&ids, Type::INT8_ARRAY)])
+        .await?)
+}
+
+/// Runs the mark a claim prepared (see `Statements::prepare`) on `ids`; no
+/// round trip for no ids.
+pub(super) async fn mark_prepared(client: &Object, ids: &[i64]) -> Result<u64, StoreError> {
+    if ids.is_empty() {
+        return Ok(0);
+    }
+    Ok(client.execute_typed(&execute_mark(ids), &[]).await?)
 }

@@ -9,7 +9,7 @@ use time::OffsetDateTime;
 use tokio_postgres::types::{ToSql, Type};
 
 use super::columns::{self, OccurredAt, Raw};
-use super::query::Sql;
+use super::statements::execute_read;
 use super::{Store, StoreError};
 use crate::domain::{OutboxRow, Payload};
 
@@ -23,15 +23,8 @@ const _: () = assert!(
     "budget::ROW_FIELDS_MAX counts on it"
 );
 
-/// The types of `read_batch.sql`'s parameters, in order.
-pub(super) const READ_PARAMETERS: [Type; 6] = [
-    Type::TEXT,
-    Type::INT8,
-    Type::INT8,
-    Type::INT8,
-    Type::INT8,
-    Type::INT8,
-];
+/// The bound parameters of a statement that takes none.
+const NO_PARAMETERS: [(&(dyn ToSql + Sync), Type); 0] = [];
 
 /// A read whose rows were larger than this leaves its connection's read
 /// buffer grown to hold them; such a connection is closed when its claim
@@ -255,31 +248,42 @@ impl Store {
     /// `budget` bytes (at least one), decoded one at a time as they arrive
     /// (each payload stays in its row's buffer, see `PayloadOf`). Read in
     /// the claim's transaction, which alone lets the statement return rows.
-    /// `sql` is `read_batch.sql`, by its text or prepared on `client`.
+    /// `prepared`: run the read the claim prepared (see
+    /// `Statements::prepare`), not `read_batch.sql` itself.
     pub(super) async fn read_batch(
         &self,
         client: &Object,
-        sql: Sql<'_>,
+        prepared: bool,
         tenant: &str,
         after: i64,
         budget: usize,
     ) -> Result<ReadRows, StoreError> {
         let budget = i64::try_from(budget).unwrap_or(i64::MAX);
-        let values: [&(dyn ToSql + Sync); 6] = [
-            &tenant,
-            &self.batch_size,
-            &self.max_payload_bytes,
-            &budget,
-            &FIELD_LIMIT,
-            &after,
+        let params: [(&(dyn ToSql + Sync), Type); 6] = [
+            (&tenant, Type::TEXT),
+            (&self.batch_size, Type::INT8),
+            (&self.max_payload_bytes, Type::INT8),
+            (&budget, Type::INT8),
+            (&FIELD_LIMIT, Type::INT8),
+            (&after, Type::INT8),
         ];
-        let rows = match sql {
-            Sql::Text(sql) => {
+        let rows = match prepared {
+            true => {
+                let numbers = [
+                    self.batch_size,
+                    self.max_payload_bytes,
+                    budget,
+                    FIELD_LIMIT,
+                    after,
+                ];
+                let sql = execute_read(tenant, numbers);
+                client.query_typed_raw(&sql, NO_PARAMETERS).await?
+            }
+            false => {
                 client
-                    .query_typed_raw(sql, values.into_iter().zip(READ_PARAMETERS))
+                    .query_typed_raw(&self.statements().read_batch, params)
                     .await?
             }
-            Sql::Prepared(statement) => client.query_raw(statement, values).await?,
         };
         let mut rows = std::pin::pin!(rows);
         let mut batch = ReadRows::default();

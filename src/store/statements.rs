@@ -2,18 +2,57 @@
 //! one, and [`Statements`]: those that name the table, with the configured
 //! table substituted, in the variant for the table's columns.
 
+use std::fmt::Write;
+
 /// Opens a sweep's transaction. Its commit does not wait for the WAL flush: if
 /// PostgreSQL crashed right after, the marks of the last moments could be lost,
 /// and those rows would be published again — a duplicate, never a loss, which
 /// at-least-once allows. It takes the disk flush out of every batch's path.
 pub(super) const BEGIN: &str = "BEGIN; SET LOCAL synchronous_commit = off";
-/// Sent once a claim prepares its read and mark (see `claim::ahead::Prepared`),
-/// so that each is planned once for the rest of the transaction instead of
-/// for every batch. The generic plans use the pending index as the custom
-/// ones do: `read_batch.sql` is written so that only that index yields its
-/// order, and the marks find their rows by the primary key (both checked by
-/// the test of plans).
-pub(super) const GENERIC_PLANS: &str = "SET LOCAL plan_cache_mode = force_generic_plan";
+/// Runs the read a claim prepared (see [`Statements::prepare`]) with the
+/// parameters of `read_batch.sql`, written into the statement: a utility
+/// statement such as `EXECUTE` takes no bound parameters.
+pub(super) fn execute_read(tenant: &str, numbers: [i64; 5]) -> String {
+    let [batch_size, max_payload_bytes, budget, field_limit, after] = numbers;
+    format!(
+        "EXECUTE outbox_relay_read({}, {batch_size}, {max_payload_bytes}, {budget}, {field_limit}, {after})",
+        literal(tenant)
+    )
+}
+
+/// Runs the mark a claim prepared, its ids written into the statement.
+pub(super) fn execute_mark(ids: &[i64]) -> String {
+    let mut sql = String::with_capacity(32 + ids.len() * 8);
+    sql.push_str("EXECUTE outbox_relay_mark('{");
+    for (n, id) in ids.iter().enumerate() {
+        if n > 0 {
+            sql.push(',');
+        }
+        let _ = write!(sql, "{id}");
+    }
+    sql.push_str("}')");
+    sql
+}
+
+/// `text` as a string literal that reads the same whatever the server's
+/// `standard_conforming_strings`: `E'…'`, each backslash and quote doubled.
+fn literal(text: &str) -> String {
+    let mut quoted = String::with_capacity(text.len() + 3);
+    quoted.push_str("E'");
+    for c in text.chars() {
+        if c == '\'' || c == '\\' {
+            quoted.push(c);
+        }
+        quoted.push(c);
+    }
+    quoted.push('\'');
+    quoted
+}
+
+/// Drops what [`Statements::prepare`] prepared, before the claim's
+/// transaction ends (a prepared statement is not undone by a commit or a
+/// rollback).
+pub(super) const DEALLOCATE: &str = "DEALLOCATE outbox_relay_read; DEALLOCATE outbox_relay_mark";
 pub(super) const CLAIM: &str = include_str!("claim.sql");
 pub(super) const COLUMNS: &str = include_str!("columns.sql");
 pub(super) const SEQUENCE: &str = include_str!("sequence.sql");
@@ -44,6 +83,18 @@ const WATCH: &str = include_str!("watch.sql");
 #[derive(Debug)]
 pub(super) struct Statements {
     pub(super) read_batch: String,
+    /// Prepares `read_batch.sql` and `mark_published.sql` in a claim's
+    /// session, with generic plans for the rest of its transaction: a claim
+    /// that reads ahead sends it with its first read ahead, so that each of
+    /// its later reads and marks is parsed and planned once for all its
+    /// batches instead of for each ([`execute_read`], [`execute_mark`]). It
+    /// sends [`DEALLOCATE`] before its commit: nothing outlives the
+    /// transaction on a server connection that a pooler by transaction
+    /// hands to another client next. The generic plans use the pending
+    /// index as the custom ones do: `read_batch.sql` is written so that only
+    /// that index yields its order, and a mark finds its rows by the primary
+    /// key (the test of plans checks both).
+    pub(super) prepare: String,
     pub(super) read_payload: String,
     pub(super) mark_published: String,
     pub(super) unmark_published: String,
@@ -70,10 +121,17 @@ impl Statements {
                 .replace("{table}", table)
                 .replace("{channel}", channel)
         };
+        let (read_batch, mark_published) = (sql(READ_BATCH), sql(MARK_PUBLISHED));
         Statements {
-            read_batch: sql(READ_BATCH),
+            prepare: format!(
+                "SET LOCAL plan_cache_mode = force_generic_plan;\n\
+                 PREPARE outbox_relay_read (text, bigint, bigint, bigint, bigint, bigint) AS\n\
+                 {read_batch};\n\
+                 PREPARE outbox_relay_mark (bigint[]) AS\n{mark_published}"
+            ),
+            read_batch,
             read_payload: sql(READ_PAYLOAD),
-            mark_published: sql(MARK_PUBLISHED),
+            mark_published,
             unmark_published: sql(UNMARK_PUBLISHED),
             record_refusal: sql(RECORD_REFUSAL),
             pending_tenants: sql(PENDING_TENANTS),
@@ -122,6 +180,31 @@ mod tests {
             variant(sql, false),
             "SELECT id\nFROM t\n  AND true -- legacy\nORDER BY id"
         );
+    }
+
+    #[test]
+    fn a_prepared_read_and_mark_are_run_with_their_values_written_in() {
+        assert_eq!(
+            execute_read("acme", [256, 1, 2, 3, -9_223_372_036_854_775_808]),
+            "EXECUTE outbox_relay_read(E'acme', 256, 1, 2, 3, -9223372036854775808)"
+        );
+        assert_eq!(
+            execute_mark(&[1, 22, -3]),
+            "EXECUTE outbox_relay_mark('{1,22,-3}')"
+        );
+        assert_eq!(execute_mark(&[7]), "EXECUTE outbox_relay_mark('{7}')");
+    }
+
+    #[test]
+    fn a_tenant_written_into_a_statement_stays_one_literal() {
+        assert_eq!(literal("plain"), "E'plain'");
+        assert_eq!(literal("o'brien"), "E'o''brien'");
+        assert_eq!(literal(r"back\slash"), r"E'back\\slash'");
+        assert_eq!(
+            literal(r"\'); DROP TABLE t; --"),
+            r"E'\\''); DROP TABLE t; --'"
+        );
+        assert_eq!(literal("tenant ✓"), "E'tenant ✓'");
     }
 
     #[test]

@@ -2,20 +2,14 @@
 //! the confirmed prefix ([`Claim::mark_ahead`]) and the read of the next
 //! batch ([`Claim::read_ahead`]), and the waits for their answers.
 
-use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-
-use deadpool_postgres::Object;
-use tokio_postgres::Statement;
-use tokio_postgres::types::Type;
 
 use super::Claim;
 use crate::domain::OutboxRow;
 use crate::started::Started;
 use crate::store::StoreError;
-use crate::store::query::{Sql, deadline, update_ids};
-use crate::store::read::{READ_PARAMETERS, ReadRows};
-use crate::store::statements::{GENERIC_PLANS, Statements};
+use crate::store::query::{deadline, mark_prepared, update_ids};
+use crate::store::read::ReadRows;
 
 /// An UPDATE marking rows published ahead of the commit: sent when first
 /// polled, its outcome read before the commit.
@@ -24,42 +18,6 @@ type MarkAhead = Started<Result<u64, StoreError>>;
 /// The read of the next batch, sent ahead in the claim's transaction while
 /// the current batch is published.
 type ReadAhead = Started<Result<ReadRows, StoreError>>;
-
-/// The read and the mark, prepared on a claim's connection at its first read
-/// ahead. Each later read and mark of the claim binds them to new values:
-/// the server parses neither again and, with generic plans for the rest of
-/// the transaction ([`GENERIC_PLANS`]), plans each once, where an unnamed
-/// statement is parsed and planned for every batch. The claim's lock on the
-/// table (taken by its first read) keeps the columns they describe from
-/// changing meanwhile. They are closed before the transaction ends
-/// ([`Claim::close_prepared`]): no name outlives it on a server connection
-/// that a pooler by transaction hands to another client next.
-#[derive(Clone)]
-pub(super) struct Prepared {
-    read: Statement,
-    mark: Statement,
-}
-
-/// Where a claim keeps its [`Prepared`] statements: filled by its first read
-/// ahead, emptied (and so the statements closed) before its commit.
-pub(super) type PreparedSlot = Arc<Mutex<Option<Prepared>>>;
-
-impl Prepared {
-    /// Prepares the read and the mark on `client`, in the claim's
-    /// transaction, in one round trip.
-    async fn new(client: &Object, statements: &Statements) -> Result<Prepared, StoreError> {
-        let (generic, read, mark) = tokio::join!(
-            client.batch_execute(GENERIC_PLANS),
-            client.prepare_typed(&statements.read_batch, &READ_PARAMETERS),
-            client.prepare_typed(&statements.mark_published, &[Type::INT8_ARRAY]),
-        );
-        generic?;
-        Ok(Prepared {
-            read: read?,
-            mark: mark?,
-        })
-    }
-}
 
 /// What [`Claim::answered`] waits for.
 #[derive(Clone, Copy)]
@@ -79,6 +37,9 @@ pub(super) struct MarksAhead {
     pub(super) rows: usize,
     pub(super) sent: Vec<MarkAhead>,
     pub(super) next: Option<ReadAhead>,
+    /// The read and the mark were prepared, by the claim's first read ahead
+    /// (see `Statements::prepare`): the statements sent after it run them.
+    pub(super) prepared: bool,
 }
 
 impl MarksAhead {
@@ -192,17 +153,16 @@ impl Claim {
         };
         let conn = self.conn.clone().expect("a claim holds its connection");
         let store = self.store.clone();
-        let prepared = self.prepared();
+        let prepared = ahead.prepared;
         // Started, the statement is sent. The marks sent before are polled
         // too: the driver hands a statement's answer over only once the one
         // before it has taken its own, so answers left waiting would hold up
         // the connection.
         ahead.sent.push(Started::new(async move {
-            let sql = match &prepared {
-                Some(prepared) => Sql::Prepared(&prepared.mark),
-                None => Sql::Text(&store.statements().mark_published),
-            };
-            update_ids(&conn, sql, &ids).await
+            match prepared {
+                true => mark_prepared(&conn, &ids).await,
+                false => update_ids(&conn, &store.statements().mark_published, &ids).await,
+            }
         }));
         ahead.poll_now();
     }
@@ -218,45 +178,24 @@ impl Claim {
         };
         let conn = self.conn.clone().expect("a claim holds its connection");
         let (store, tenant) = (self.store.clone(), self.tenant.clone());
-        let (prepared, slot) = (self.prepared(), self.prepared.clone());
+        let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+        let prepare = !std::mem::replace(&mut ahead.prepared, true);
+        // Started, the statements are sent: the first read ahead prepares
+        // the read and the mark, and runs the read, in one round trip.
         let read = Started::new(async move {
-            let prepared = match prepared {
-                Some(prepared) => prepared,
-                None => {
-                    let prepared = Prepared::new(&conn, store.statements()).await?;
-                    *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(prepared.clone());
-                    prepared
+            let prepared = async {
+                match prepare {
+                    true => conn.batch_execute(&store.statements().prepare).await,
+                    false => Ok(()),
                 }
             };
-            let read = Sql::Prepared(&prepared.read);
-            store.read_batch(&conn, read, &tenant, after, budget).await
+            let read = store.read_batch(&conn, true, &tenant, after, budget);
+            let (prepared, read) = tokio::join!(prepared, read);
+            prepared?;
+            read
         });
-        let mut ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
         ahead.next = Some(read);
         ahead.poll_now();
-    }
-
-    /// The statements the claim prepared, once its first read ahead has.
-    fn prepared(&self) -> Option<Prepared> {
-        self.prepared
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    /// Closes the statements the claim prepared, before its transaction
-    /// ends; nothing sent ahead may be under way (the marks and the read
-    /// hold them until answered). A read ahead not appended goes with them.
-    pub(super) fn close_prepared(&mut self) {
-        let ahead = self.ahead.get_mut().unwrap_or_else(|e| e.into_inner());
-        debug_assert!(ahead.sent.iter().all(Started::is_done) && !ahead.reading());
-        ahead.next = None;
-        // Dropped, each statement sends its Close ahead of what follows on
-        // the connection.
-        self.prepared
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
     }
 
     /// Whether a read ahead is still under way.
@@ -409,6 +348,7 @@ mod tests {
             rows: 6,
             sent: vec![answered(2), waiting(), answered(3)],
             next: None,
+            prepared: false,
         };
         assert_eq!(ahead.take_answers().unwrap(), 5);
         assert_eq!(ahead.sent.len(), 1, "the mark still waiting stays");
@@ -421,6 +361,7 @@ mod tests {
             rows: 6,
             sent: vec![answered(2), failed("first"), failed("second")],
             next: None,
+            prepared: false,
         };
         let error = ahead.take_answers().unwrap_err();
         assert_eq!(error.to_string(), "first");
@@ -435,6 +376,7 @@ mod tests {
             next: Some(Started::new(async {
                 Err(StoreError::Sequence("read".into()))
             })),
+            prepared: false,
         };
         assert_eq!(ahead.take_answers().unwrap_err().to_string(), "read");
         assert!(ahead.next.is_none());
@@ -443,6 +385,7 @@ mod tests {
             rows: 0,
             sent: vec![answered(1)],
             next: Some(Started::new(async { Ok(ReadRows::default()) })),
+            prepared: false,
         };
         assert_eq!(ahead.take_answers().unwrap(), 1);
         let next = ahead.next.as_mut().expect("kept to be appended");
