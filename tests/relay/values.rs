@@ -320,3 +320,48 @@ async fn an_unfit_payload_column_is_named_once_and_nothing_is_sent_until_fixed()
     process.signal("TERM");
     assert_eq!(process.wait(Duration::from_secs(20)).await, Some(0));
 }
+
+/// Tenants whose names are hostile to a statement they are written into
+/// (quotes, backslashes, a would-be injection, an `E'` prefix, non-ASCII),
+/// each with enough rows for several batches read ahead in one claim (the
+/// claim's prepared read takes the tenant as a literal): every row goes out
+/// once, in order, marked, and the table is intact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tenants_with_quotes_and_backslashes_in_their_names_drain_across_batches() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let tenants = [
+        "o'brien",
+        r"back\slash",
+        r"\'); DROP TABLE t; --",
+        "E'x''",
+        "ünï 'q' \\",
+    ];
+    let mut committed = std::collections::BTreeMap::new();
+    for tenant in tenants {
+        committed.insert(tenant.to_string(), outbox.insert_many(tenant, 40).await);
+    }
+    let mut config = config(&outbox, &broker, &tenants);
+    config.batch_size = 8;
+    let relay = start_relay(config).await;
+    let duplicates =
+        crate::support::check_history(&outbox, &broker, &committed, Duration::from_secs(60)).await;
+    assert_eq!(duplicates, 0, "no duplicates without a fault");
+    let (_, metrics) = relay.get("/metrics").await;
+    let failed: Vec<&str> = metrics
+        .lines()
+        .filter(|line| line.starts_with("outbox_sweeps_total{outcome=\"failed\""))
+        .collect();
+    assert!(failed.is_empty(), "no sweep failed: {failed:?}");
+    let tables: i64 = outbox
+        .client
+        .query_one(
+            "SELECT count(*) FROM pg_tables WHERE schemaname = $1",
+            &[&outbox.schema],
+        )
+        .await
+        .expect("the schema's tables")
+        .get(0);
+    assert!(tables >= 1, "the outbox table is intact");
+    relay.stop().await;
+}
