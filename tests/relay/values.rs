@@ -343,6 +343,9 @@ async fn tenants_with_quotes_and_backslashes_in_their_names_drain_across_batches
     }
     let mut config = config(&outbox, &broker, &tenants);
     config.batch_size = 8;
+    // A slot for every tenant: none waits, so each claim reads ahead.
+    config.concurrency = tenants.len();
+    config.pool_size = tenants.len() + 2;
     let relay = start_relay(config).await;
     let duplicates =
         crate::support::check_history(&outbox, &broker, &committed, Duration::from_secs(60)).await;
