@@ -19,8 +19,8 @@
 //! connection, where a name prepared before means nothing, or means another
 //! client's statement. The one exception lives and dies inside a claim's
 //! transaction: a claim that reads ahead prepares its read and mark once for
-//! all its batches, and closes them before its commit (see
-//! `claim::ahead::Prepared`). Nothing else is kept in the session either: the
+//! all its batches (SQL `PREPARE`), and deallocates them before its commit
+//! (see `Statements::prepare`). Nothing else is kept in the session either: the
 //! claim's settings are transaction-local (but for the server's TCP
 //! keepalives, see [`connect`](fn@connect)).
 //!
