@@ -159,16 +159,30 @@ pub struct Raw<'a>(pub &'a [u8]);
 
 impl<'a> FromSql<'a> for Raw<'a> {
     fn from_sql(ty: &Type, raw: &'a [u8]) -> Result<Raw<'a>, Box<dyn Error + Sync + Send>> {
-        let text = if *ty == Type::JSONB {
-            match raw.split_first() {
-                Some((1, text)) => text,
-                _ => return Err("unsupported jsonb encoding version".into()),
-            }
-        } else {
-            raw
-        };
+        let Checked(text) = Checked::from_sql(ty, raw)?;
         std::str::from_utf8(text)?;
         Ok(Raw(text))
+    }
+
+    fn accepts(ty: &Type) -> bool {
+        Checked::accepts(ty)
+    }
+}
+
+/// A value read as [`Raw`] once already, read again without checking its
+/// UTF-8 a second time (the message body of `read::PayloadOf`, which may be
+/// megabytes).
+pub struct Checked<'a>(pub &'a [u8]);
+
+impl<'a> FromSql<'a> for Checked<'a> {
+    fn from_sql(ty: &Type, raw: &'a [u8]) -> Result<Checked<'a>, Box<dyn Error + Sync + Send>> {
+        if *ty != Type::JSONB {
+            return Ok(Checked(raw));
+        }
+        match raw.split_first() {
+            Some((1, text)) => Ok(Checked(text)),
+            _ => Err("unsupported jsonb encoding version".into()),
+        }
     }
 
     fn accepts(ty: &Type) -> bool {

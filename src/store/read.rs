@@ -8,7 +8,7 @@ use futures_util::TryStreamExt;
 use time::OffsetDateTime;
 use tokio_postgres::types::{ToSql, Type};
 
-use super::columns::{self, OccurredAt, Raw};
+use super::columns::{self, Checked, OccurredAt, Raw};
 use super::statements::execute_read;
 use super::{Store, StoreError};
 use crate::domain::{OutboxRow, Payload};
@@ -41,7 +41,8 @@ pub(super) struct PayloadOf {
 }
 
 impl PayloadOf {
-    /// The message body of `row`'s `column`, sharing the row's buffer.
+    /// The message body of `row`'s `column`, sharing the row's buffer; the
+    /// caller has read the column as [`Raw`] (its UTF-8 checked).
     pub(super) fn body(row: tokio_postgres::Row, column: usize) -> Payload {
         Payload::Body(Bytes::from_owner(PayloadOf { row, column }))
     }
@@ -49,8 +50,9 @@ impl PayloadOf {
 
 impl AsRef<[u8]> for PayloadOf {
     fn as_ref(&self) -> &[u8] {
-        match self.row.try_get::<_, Option<Raw>>(self.column) {
-            Ok(Some(Raw(bytes))) => bytes,
+        // Built only once the value was read as `Raw` (its UTF-8 checked).
+        match self.row.try_get::<_, Option<Checked>>(self.column) {
+            Ok(Some(Checked(bytes))) => bytes,
             _ => &[],
         }
     }
