@@ -23,8 +23,12 @@ use crate::domain::{BatchReport, FailureReason, Lease, OutboxRow, Refusal};
 use crate::traces::PublishSpan;
 
 /// The confirmed prefix is reported (see [`Progress::Confirmed`]) in steps
-/// of this many rows while the rest of a batch is still being confirmed.
-pub const PROGRESS_STEP: usize = 64;
+/// of this many rows while the rest of a run is still being confirmed, and
+/// each step is marked ahead of the commit by one statement. Each statement
+/// costs the server about 0.1 ms besides its rows (an `UPDATE`'s executor
+/// with the table's indexes): steps of 64 cost it about 1.4 µs more per row
+/// than steps of 256, which leave at most 255 rows for the commit to mark.
+pub const PROGRESS_STEP: usize = 256;
 
 /// How far a batch being published has come.
 #[derive(Debug)]
