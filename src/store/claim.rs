@@ -11,7 +11,7 @@ use tokio_postgres::types::{ToSql, Type};
 
 use self::ahead::MarksAhead;
 use super::columns::{self, Raw};
-use super::query::{deadline, mark_prepared, update_ids};
+use super::query::{deadline, mark_ids, update_ids};
 use super::read::{PayloadOf, RETAINED_READ_MAX, ReadRows, read_bytes};
 use super::statements::{BEGIN, CLAIM, DEALLOCATE};
 use super::{Store, StoreError};
@@ -288,14 +288,8 @@ impl Claim {
                     None => Ok(None),
                 }
             };
-            let marked = async {
-                match prepared {
-                    true => mark_prepared(client, &published).await,
-                    false => update_ids(client, &statements.mark_published, &published).await,
-                }
-            };
             let (marked, unmarked, recorded, deallocated, commit) = tokio::join!(
-                marked,
+                mark_ids(client, statements, prepared, &published),
                 update_ids(client, &statements.unmark_published, &unpublished),
                 refused,
                 deallocate(client, prepared),
@@ -359,10 +353,10 @@ impl Claim {
 /// Drops the statements a claim `prepared` (see `Statements::prepare`), if it
 /// did, in its transaction.
 async fn deallocate(client: &Object, prepared: bool) -> Result<(), tokio_postgres::Error> {
-    match prepared {
-        true => client.batch_execute(DEALLOCATE).await,
-        false => Ok(()),
+    if prepared {
+        client.batch_execute(DEALLOCATE).await?;
     }
+    Ok(())
 }
 
 impl Lease for Claim {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use deadpool_postgres::Object;
 use tokio_postgres::types::{ToSql, Type};
 
-use super::statements::execute_mark;
+use super::statements::{Statements, execute_mark};
 use super::{Store, StoreError};
 
 /// Deadline of each round trip of a sweep, and of the poll and lag queries.
@@ -68,9 +68,18 @@ pub(super) async fn update_ids(client: &Object, sql: &str, ids: &[i64]) -> Resul
         .await?)
 }
 
-/// Runs the mark a claim prepared (see `Statements::prepare`) on `ids`; no
+/// Marks `ids` published in a claim's transaction: by the mark the claim
+/// `prepared` (see `Statements::prepare`), or by `mark_published.sql`; no
 /// round trip for no ids.
-pub(super) async fn mark_prepared(client: &Object, ids: &[i64]) -> Result<u64, StoreError> {
+pub(super) async fn mark_ids(
+    client: &Object,
+    statements: &Statements,
+    prepared: bool,
+    ids: &[i64],
+) -> Result<u64, StoreError> {
+    if !prepared {
+        return update_ids(client, &statements.mark_published, ids).await;
+    }
     if ids.is_empty() {
         return Ok(0);
     }

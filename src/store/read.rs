@@ -261,31 +261,30 @@ impl Store {
         budget: usize,
     ) -> Result<ReadRows, StoreError> {
         let budget = i64::try_from(budget).unwrap_or(i64::MAX);
-        let params: [(&(dyn ToSql + Sync), Type); 6] = [
-            (&tenant, Type::TEXT),
-            (&self.batch_size, Type::INT8),
-            (&self.max_payload_bytes, Type::INT8),
-            (&budget, Type::INT8),
-            (&FIELD_LIMIT, Type::INT8),
-            (&after, Type::INT8),
+        // `read_batch.sql`'s $2 to $6.
+        let numbers = [
+            self.batch_size,
+            self.max_payload_bytes,
+            budget,
+            FIELD_LIMIT,
+            after,
         ];
-        let rows = match prepared {
-            true => {
-                let numbers = [
-                    self.batch_size,
-                    self.max_payload_bytes,
-                    budget,
-                    FIELD_LIMIT,
-                    after,
-                ];
-                let sql = execute_read(tenant, numbers);
-                client.query_typed_raw(&sql, NO_PARAMETERS).await?
-            }
-            false => {
-                client
-                    .query_typed_raw(&self.statements().read_batch, params)
-                    .await?
-            }
+        let rows = if prepared {
+            let sql = execute_read(tenant, numbers);
+            client.query_typed_raw(&sql, NO_PARAMETERS).await?
+        } else {
+            let [n2, n3, n4, n5, n6] = &numbers;
+            let params: [(&(dyn ToSql + Sync), Type); 6] = [
+                (&tenant, Type::TEXT),
+                (n2, Type::INT8),
+                (n3, Type::INT8),
+                (n4, Type::INT8),
+                (n5, Type::INT8),
+                (n6, Type::INT8),
+            ];
+            client
+                .query_typed_raw(&self.statements().read_batch, params)
+                .await?
         };
         let mut rows = std::pin::pin!(rows);
         let mut batch = ReadRows::default();

@@ -8,7 +8,7 @@ use super::Claim;
 use crate::domain::OutboxRow;
 use crate::started::Started;
 use crate::store::StoreError;
-use crate::store::query::{deadline, mark_prepared, update_ids};
+use crate::store::query::{deadline, mark_ids};
 use crate::store::read::ReadRows;
 
 /// An UPDATE marking rows published ahead of the commit: sent when first
@@ -159,10 +159,7 @@ impl Claim {
         // before it has taken its own, so answers left waiting would hold up
         // the connection.
         ahead.sent.push(Started::new(async move {
-            match prepared {
-                true => mark_prepared(&conn, &ids).await,
-                false => update_ids(&conn, &store.statements().mark_published, &ids).await,
-            }
+            mark_ids(&conn, store.statements(), prepared, &ids).await
         }));
         ahead.poll_now();
     }
@@ -184,10 +181,10 @@ impl Claim {
         // the read and the mark, and runs the read, in one round trip.
         let read = Started::new(async move {
             let prepared = async {
-                match prepare {
-                    true => conn.batch_execute(&store.statements().prepare).await,
-                    false => Ok(()),
+                if prepare {
+                    conn.batch_execute(&store.statements().prepare).await?;
                 }
+                Ok::<_, tokio_postgres::Error>(())
             };
             let read = store.read_batch(&conn, true, &tenant, after, budget);
             let (prepared, read) = tokio::join!(prepared, read);
