@@ -9,11 +9,14 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::Scheduler;
+use crate::config::{Config, Wakeup};
 use crate::store::{self, Drift, Page, StoreError};
 
-/// While at least this many tenants wait in this relay's ready queues, the
-/// poll (whose cost grows with the tenants it finds pending: about 5 µs of
-/// the database's time each, 50 ms for 10,000) would add little to the
+/// While at least this many tenants wait in this relay's ready queues (or,
+/// when wake-ups announce new rows, as many as `concurrency`: see
+/// [`busy_queue`]), the poll (whose cost grows with the tenants it finds
+/// pending: about 5 µs of the database's time each, 50 ms for 10,000, more
+/// while their marked rows are not yet vacuumed) would add little to the
 /// queue, so it runs less often: at most once every [`BUSY_POLL_EVERY`]
 /// intervals, and no more than a [`BUSY_POLL_SHARE`] of the time its last run
 /// took (which grows as the database gets busier), but at least every
@@ -69,7 +72,7 @@ impl Scheduler {
         let poll_interval = self.relay.config.poll_interval();
         if self.poll.is_none()
             && now >= self.next_poll
-            && self.schedule.ready_len() >= BUSY_QUEUE
+            && self.schedule.ready_len() >= busy_queue(&self.relay.config)
             && self.database_up == Some(true)
             && self.member
             && self.relay.publisher.can_publish()
@@ -233,6 +236,21 @@ impl Scheduler {
     }
 }
 
+/// How many tenants waiting in the ready queues make the relay busy (see
+/// [`BUSY_QUEUE`]). With `wakeup = poll`, the poll is how the relay learns of
+/// every new row, so only a long queue ([`BUSY_QUEUE`]) holds it. With
+/// notifications or the sequence watch, new rows reach the queues without
+/// it: once every slot of `concurrency` has a tenant waiting behind it, a
+/// tenant the poll would find could only join the queue, and the poll (one
+/// index probe per pending tenant of the whole table, every `poll_ms`, on
+/// every replica) is what the database would pay for nothing.
+fn busy_queue(config: &Config) -> usize {
+    match config.wakeup {
+        Wakeup::Poll => BUSY_QUEUE,
+        Wakeup::Sequence | Wakeup::Notify => config.concurrency.clamp(1, BUSY_QUEUE),
+    }
+}
+
 /// How far apart polls are while the relay is busy (see [`BUSY_QUEUE`]).
 fn busy_poll_interval(poll_interval: Duration, last_poll_took: Duration) -> Duration {
     (poll_interval * BUSY_POLL_EVERY)
@@ -243,6 +261,23 @@ fn busy_poll_interval(poll_interval: Duration, last_poll_took: Duration) -> Dura
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn with_wake_ups_a_relay_is_busy_once_every_slot_has_a_tenant_waiting() {
+        let mut config = Config::with_tenants(["a"]);
+        for (wakeup, concurrency, busy) in [
+            (Wakeup::Sequence, 4, 4),
+            (Wakeup::Notify, 16, 16),
+            (Wakeup::Sequence, 1, 1),
+            (Wakeup::Notify, 1_000, BUSY_QUEUE),
+            (Wakeup::Poll, 4, BUSY_QUEUE),
+            (Wakeup::Poll, 1, BUSY_QUEUE),
+        ] {
+            config.wakeup = wakeup;
+            config.concurrency = concurrency;
+            assert_eq!(busy_queue(&config), busy, "{wakeup:?} at {concurrency}");
+        }
+    }
 
     #[test]
     fn a_busy_relay_polls_less_the_costlier_the_poll_within_a_bound() {
