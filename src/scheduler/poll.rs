@@ -12,9 +12,9 @@ use super::Scheduler;
 use crate::config::{Config, Wakeup};
 use crate::store::{self, Drift, Page, StoreError};
 
-/// While at least this many tenants wait in this relay's ready queues (or,
-/// when wake-ups announce new rows, as many as `concurrency`: see
-/// [`busy_queue`]), the poll (whose cost grows with the tenants it finds
+/// While every `concurrency` slot runs a sweep and at least this many
+/// tenants wait in this relay's ready queues (or, when wake-ups announce new
+/// rows, as many as `concurrency`: see [`busy_queue`]), the poll (whose cost grows with the tenants it finds
 /// pending: about 5 µs of the database's time each, 50 ms for 10,000, more
 /// while their marked rows are not yet vacuumed) would add little to the
 /// queue, so it runs less often: at most once every [`BUSY_POLL_EVERY`]
@@ -65,17 +65,25 @@ pub const POLL_PAGE: usize = 10_000;
 
 impl Scheduler {
     /// Whether the poll due now waits, because enough work is queued (see
-    /// [`BUSY_QUEUE`]): only while the database is up, this relay knows its
-    /// share, the broker takes publishes, and the last poll is more recent
-    /// than the busy interval. It then moves the poll a poll interval on.
+    /// [`BUSY_QUEUE`]) behind sweeps taking every slot: only while the
+    /// database is up, this relay knows its share, sweeps may start (the
+    /// broker takes publishes, and no column check is awaited: the poll is
+    /// what ends that wait), and the last poll is more recent than the busy
+    /// interval. It then moves the poll a poll interval on.
     pub(super) fn hold_poll_while_busy(&mut self, now: Instant) {
         let poll_interval = self.relay.config.poll_interval();
         if self.poll.is_none()
             && now >= self.next_poll
-            && self.schedule.ready_len() >= busy_queue(&self.relay.config)
             && self.database_up == Some(true)
             && self.member
-            && self.relay.publisher.can_publish()
+            && is_busy(
+                &self.relay.config,
+                Load {
+                    sweeping: self.sweeps.len(),
+                    waiting: self.schedule.ready_len(),
+                    sweeps_may_start: self.sweeps_may_start(),
+                },
+            )
             && self
                 .last_poll
                 .is_some_and(|at| now < at + busy_poll_interval(poll_interval, self.last_poll_took))
@@ -236,6 +244,25 @@ impl Scheduler {
     }
 }
 
+/// What makes a relay busy or not (see [`BUSY_QUEUE`]).
+struct Load {
+    /// Sweeps running.
+    sweeping: usize,
+    /// Tenants waiting in the ready queues.
+    waiting: usize,
+    sweeps_may_start: bool,
+}
+
+/// Whether the relay is busy (see [`BUSY_QUEUE`]): every slot runs a sweep
+/// and enough tenants wait behind them. Tenants that wait because no sweep
+/// may start (the broker blocking, a column check awaited) do not make it
+/// busy: the poll is how it sees that end.
+fn is_busy(config: &Config, load: Load) -> bool {
+    load.sweeps_may_start
+        && load.sweeping >= config.concurrency
+        && load.waiting >= busy_queue(config)
+}
+
 /// How many tenants waiting in the ready queues make the relay busy (see
 /// [`BUSY_QUEUE`]). With `wakeup = poll`, the poll is how the relay learns of
 /// every new row, so only a long queue ([`BUSY_QUEUE`]) holds it. With
@@ -277,6 +304,29 @@ mod tests {
             config.concurrency = concurrency;
             assert_eq!(busy_queue(&config), busy, "{wakeup:?} at {concurrency}");
         }
+    }
+
+    #[test]
+    fn a_relay_is_busy_only_with_every_slot_sweeping_and_tenants_waiting() {
+        let mut config = Config::with_tenants(["a"]);
+        config.concurrency = 4;
+        let load = |sweeping, waiting, sweeps_may_start| Load {
+            sweeping,
+            waiting,
+            sweeps_may_start,
+        };
+        assert!(is_busy(&config, load(4, 4, true)));
+        assert!(is_busy(&config, load(4, 100, true)));
+        // A free slot: the waiting tenants start at once.
+        assert!(!is_busy(&config, load(3, 100, true)));
+        // Too few waiting: the poll may find more work than the queue holds.
+        assert!(!is_busy(&config, load(4, 3, true)));
+        // Nothing may start (a column check awaited): the poll ends that.
+        assert!(!is_busy(&config, load(0, 100, false)));
+        assert!(!is_busy(&config, load(4, 100, false)));
+        config.wakeup = Wakeup::Poll;
+        assert!(!is_busy(&config, load(4, BUSY_QUEUE - 1, true)));
+        assert!(is_busy(&config, load(4, BUSY_QUEUE, true)));
     }
 
     #[test]

@@ -22,16 +22,20 @@ impl Scheduler {
         }
     }
 
+    /// Whether sweeps may start: not while the broker is down or blocking,
+    /// the last poll found the database unreachable, a column is unfit, or
+    /// sweeps are held until the next poll checks the columns.
+    pub(super) fn sweeps_may_start(&self) -> bool {
+        self.relay.publisher.can_publish()
+            && self.database_up != Some(false)
+            && self.drift.is_none()
+            && !self.held_for_check
+    }
+
     /// Starts sweeps of ready tenants, up to `concurrency` running, unless
-    /// none may start: the broker down or blocking, the last poll finding
-    /// the database unreachable, a column unfit, or sweeps held until the
-    /// next poll checks the columns.
+    /// none may start (see [`Self::sweeps_may_start`]).
     pub(super) fn start_sweeps(&mut self) {
-        if !self.relay.publisher.can_publish()
-            || self.database_up == Some(false)
-            || self.drift.is_some()
-            || self.held_for_check
-        {
+        if !self.sweeps_may_start() {
             return;
         }
         while self.sweeps.len() < self.relay.config.concurrency {

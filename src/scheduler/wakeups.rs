@@ -33,8 +33,9 @@ pub const WATCH_TICK_MOVING: Duration = Duration::from_millis(2);
 /// message of a drain (docs/benchmarks.md). A slot that frees with no tenant
 /// waiting brings the next read at once ...
 pub const WATCH_TICK_BUSY: Duration = Duration::from_millis(25);
-/// ... until it has stood still this long with nothing to sweep: then the
-/// relay asks writers for a notification again (the wake-up lock) and waits.
+/// ... until it has stood still this long with nothing to sweep, as a read
+/// answered that long after the last move found it: then the relay asks
+/// writers for a notification again (the wake-up lock) and waits.
 pub const WATCH_QUIET: Duration = Duration::from_millis(100);
 
 pub(super) type PositionRead = Pin<Box<dyn Future<Output = Result<Watched, StoreError>> + Send>>;
@@ -140,7 +141,10 @@ impl Scheduler {
         if !self.watch.watching || self.watch.tick.is_some() {
             return None;
         }
-        let quiet = now >= self.watch.active_at + WATCH_QUIET
+        // Quiet as a read found it: one answered a full WATCH_QUIET after the
+        // last sign of rows flowing, not merely that long after (a relay
+        // kept off the CPU for a while reads once more before it stops).
+        let quiet = self.watch.read_at >= self.watch.active_at + WATCH_QUIET
             && self.sweeps.is_empty()
             && !self.schedule.has_ready()
             && self.candidates.is_empty();

@@ -777,6 +777,12 @@ async fn the_relay_warns_once_about_a_missing_trigger() {
         || async { outbox.all_pending().await == 0 },
     )
     .await;
+    // A row is marked once the broker confirmed it, which may be before the
+    // test's consumer has it.
+    eventually("both rows arrive", Duration::from_secs(10), || async {
+        broker.count() >= 2
+    })
+    .await;
     let received = by_tenant(&broker.received());
     assert_eq!(received["w"].len(), 2);
     assert!(!relay.output().contains("\"WARN\""), "{}", relay.output());
