@@ -208,13 +208,10 @@ impl Scheduler {
         }
     }
 
-    /// Starts what is due: tenants whose back-off is over, sweeps up to
-    /// `concurrency`, the poll (unless the slots just filled make the relay
-    /// busy), the writers' check. Returns when the loop must look again at
-    /// the latest.
+    /// Starts what is due: the poll, the writers' check, tenants whose
+    /// back-off is over, sweeps up to `concurrency`. Returns when the loop
+    /// must look again at the latest.
     fn turn(&mut self, now: Instant) -> Instant {
-        self.wake_backed_off(now);
-        self.start_sweeps();
         self.hold_poll_while_busy(now);
         if self.poll.is_none() && now >= self.next_poll {
             self.start_poll(now);
@@ -222,6 +219,8 @@ impl Scheduler {
         if self.writers_check.is_none() && !self.candidates.is_empty() && now >= self.next_check {
             self.start_writers_check(now);
         }
+        self.wake_backed_off(now);
+        self.start_sweeps();
         // Running sweeps go on to a next batch only while no tenant waits.
         self.relay.set_tenants_waiting(self.schedule.has_ready());
         self.next_look(now)

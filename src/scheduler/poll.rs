@@ -78,11 +78,12 @@ impl Scheduler {
             && self.member
             && is_busy(
                 &self.relay.config,
-                Load {
-                    sweeping: self.sweeps.len(),
-                    waiting: self.schedule.ready_len(),
-                    sweeps_may_start: self.sweeps_may_start(),
-                },
+                Load::after_start(
+                    self.sweeps.len(),
+                    self.schedule.ready_len(),
+                    self.relay.config.concurrency,
+                    self.sweeps_may_start(),
+                ),
             )
             && self
                 .last_poll
@@ -253,6 +254,24 @@ struct Load {
     sweeps_may_start: bool,
 }
 
+impl Load {
+    /// The load once the turn's sweeps have started (this check comes
+    /// before them): waiting tenants fill the free slots first, so a slot
+    /// just freed by a sweep that ended does not let the poll through.
+    fn after_start(sweeping: usize, waiting: usize, concurrency: usize, may_start: bool) -> Load {
+        let starting = if may_start {
+            waiting.min(concurrency.saturating_sub(sweeping))
+        } else {
+            0
+        };
+        Load {
+            sweeping: sweeping + starting,
+            waiting: waiting - starting,
+            sweeps_may_start: may_start,
+        }
+    }
+}
+
 /// Whether the relay is busy (see [`BUSY_QUEUE`]): every slot runs a sweep
 /// and enough tenants wait behind them. Tenants that wait because no sweep
 /// may start (the broker blocking, a column check awaited) do not make it
@@ -324,6 +343,10 @@ mod tests {
         // Nothing may start (a column check awaited): the poll ends that.
         assert!(!is_busy(&config, load(0, 100, false)));
         assert!(!is_busy(&config, load(4, 100, false)));
+        // A slot just freed: the first waiting tenant takes it this turn.
+        assert!(is_busy(&config, Load::after_start(3, 5, 4, true)));
+        assert!(!is_busy(&config, Load::after_start(3, 4, 4, true)));
+        assert!(!is_busy(&config, Load::after_start(0, 100, 4, false)));
         config.wakeup = Wakeup::Poll;
         assert!(!is_busy(&config, load(4, BUSY_QUEUE - 1, true)));
         assert!(is_busy(&config, load(4, BUSY_QUEUE, true)));
