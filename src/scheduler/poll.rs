@@ -14,16 +14,17 @@ use crate::store::{self, Drift, Page, StoreError};
 
 /// While every `concurrency` slot runs a sweep and at least this many
 /// tenants wait in this relay's ready queues (or, when wake-ups announce new
-/// rows, as many as `concurrency`: see [`busy_queue`]), the poll (whose cost grows with the tenants it finds
-/// pending: about 5 µs of the database's time each, 50 ms for 10,000, more
-/// while their marked rows are not yet vacuumed) would add little to the
-/// queue, so it runs less often: at most once every [`BUSY_POLL_EVERY`]
-/// intervals, and no more than a [`BUSY_POLL_SHARE`] of the time its last run
-/// took (which grows as the database gets busier), but at least every
-/// [`BUSY_POLL_MAX`] (or `poll_ms` if longer). So a pending row is found within `poll_ms` while the
-/// relay has little queued, and within `BUSY_POLL_MAX` at the latest (during
-/// an outage, or before this relay knows its replicas, the poll runs every
-/// interval: it is how the relay sees the database back).
+/// rows, as many as `concurrency`: see [`busy_queue`]), the poll (whose cost
+/// grows with the tenants it finds pending: about 5 µs of the database's time
+/// each, 50 ms for 10,000, more while their marked rows are not yet
+/// vacuumed) would add little to the queue, so it runs less often: at most
+/// once every [`BUSY_POLL_EVERY`] intervals, and no more than a
+/// [`BUSY_POLL_SHARE`] of the time its last run took (which grows as the
+/// database gets busier), but at least every [`BUSY_POLL_MAX`] (or `poll_ms`
+/// if longer). So a pending row is found within `poll_ms` while the relay has
+/// little queued, and within `BUSY_POLL_MAX` at the latest (during an outage,
+/// or before this relay knows its replicas, the poll runs every interval: it
+/// is how the relay sees the database back).
 pub const BUSY_QUEUE: usize = 64;
 pub const BUSY_POLL_EVERY: u32 = 5;
 /// One twentieth: a busy relay spends at most 5 % of its time waiting for
