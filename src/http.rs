@@ -57,9 +57,9 @@ pub struct Limits {
     /// From a request's headers to its response; past it the answer is 503.
     /// `/healthz` answers within its own [`HEALTHZ_DEADLINE`].
     pub request: Duration,
-    /// Open connections at most; past it, the one idle longest is closed to
-    /// admit a new one (a new one is closed at once while all are in a
-    /// request).
+    /// Open connections at most; past it, the one idle longest (while all
+    /// are in a request, the one in its request longest) is closed to admit
+    /// a new one.
     pub connections: usize,
     /// The longest a connection stays open, whatever it does (a client that
     /// stops reading a response is cut off then).
@@ -87,13 +87,14 @@ const CAP_WARNING_EVERY: Duration = Duration::from_secs(60);
 /// Serves `app` on `listener` within `limits` until `stop` resolves, then
 /// closes every connection at once and returns.
 ///
-/// At the cap, a new connection is not refused while another sits idle:
-/// the connection that has gone longest without a request in progress (an
-/// idle keep-alive, a half-sent request, one that never sent anything) is
-/// closed to admit it. Whoever holds the cap's worth of idle connections,
-/// from whatever address, a probe is admitted and answered; its own
-/// connection is the newest, the last to go. Only when every connection
-/// is in a request is a new one closed at once.
+/// At the cap, a new connection is not refused: the connection that has
+/// gone longest without a request in progress (an idle keep-alive, a
+/// half-sent request, one that never sent anything) is closed to admit it,
+/// or, while every one is in a request, the one whose request has gone on
+/// longest (scrapes waiting their turn, pipelined by clients that never
+/// read). Whoever holds the cap's worth of connections, from whatever
+/// address, a probe is admitted and answered; its own connection is the
+/// newest, the last to go.
 pub async fn serve(
     listener: TcpListener,
     app: Router,
@@ -137,12 +138,12 @@ pub async fn serve(
                         tracing::warn!(
                             limit = limits.connections,
                             closed = closed_at_cap,
-                            "HTTP connection cap reached: closing the connections idle longest to admit new ones (new ones while every one is in a request)"
+                            "HTTP connection cap reached: closing the connections idle longest (else in a request longest) to admit new ones"
                         );
                         warned = Some(tokio::time::Instant::now());
                         closed_at_cap = 0;
                     }
-                    if evict_longest_idle(&mut open) {
+                    if evict(&mut open) {
                         waiting = Some((stream, peer));
                     } else {
                         drop(stream);
@@ -194,15 +195,18 @@ fn admit(
     );
 }
 
-/// Closes the open connection that has gone longest without a request in
-/// progress; `false` when every one is in a request.
-fn evict_longest_idle(open: &mut HashMap<tokio::task::Id, Open>) -> bool {
+/// Closes an open connection to admit another: the one that has gone
+/// longest without a request in progress, or, while every one is in a
+/// request, the one whose request has gone on longest (a scrape waiting its
+/// turn, pipelined requests from a client that never reads). A probe's own
+/// request takes a millisecond: it is the newest, the last to go. `false`
+/// when every open connection is already closing.
+fn evict(open: &mut HashMap<tokio::task::Id, Open>) -> bool {
     let longest = open
         .values_mut()
         .filter(|conn| !conn.evicted)
-        .filter_map(|conn| Some((conn.activity.idle_since()?, conn)))
-        .min_by_key(|(idle_since, _)| *idle_since);
-    let Some((_, conn)) = longest else {
+        .min_by_key(|conn| conn.activity.since());
+    let Some(conn) = longest else {
         return false;
     };
     // Dropping the connection's task closes its socket.
@@ -211,40 +215,48 @@ fn evict_longest_idle(open: &mut HashMap<tokio::task::Id, Open>) -> bool {
     true
 }
 
-/// Whether a connection is in a request, and since when it is not.
+/// Whether a connection is in a request, and since when it is or is not.
 struct Activity {
     epoch: tokio::time::Instant,
     /// Nanoseconds from `epoch` to when the connection last became idle
-    /// (accepted, or its last response given); [`Activity::BUSY`] while a
-    /// request is in progress.
-    idle_since: AtomicU64,
+    /// (accepted, or its last response given) or last began a request, the
+    /// latter with [`Activity::BUSY`] set.
+    since: AtomicU64,
 }
 
 impl Activity {
-    const BUSY: u64 = u64::MAX;
+    const BUSY: u64 = 1 << 63;
 
     fn new(epoch: tokio::time::Instant) -> Activity {
         let activity = Activity {
             epoch,
-            idle_since: AtomicU64::new(0),
+            since: AtomicU64::new(0),
         };
         activity.idle();
         activity
     }
 
-    fn idle(&self) {
-        let nanos = u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(Activity::BUSY - 1);
-        self.idle_since.store(nanos, Ordering::Relaxed);
+    fn now(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_nanos())
+            .unwrap_or(u64::MAX)
+            .min(Activity::BUSY - 1)
     }
 
-    /// When the connection became idle; none while it is in a request.
-    fn idle_since(&self) -> Option<u64> {
-        Some(self.idle_since.load(Ordering::Relaxed)).filter(|at| *at != Activity::BUSY)
+    fn idle(&self) {
+        self.since.store(self.now(), Ordering::Relaxed);
+    }
+
+    /// The order in which connections make way at the cap: every idle one
+    /// (longest idle first) before any in a request (longest in it first).
+    fn since(&self) -> (bool, u64) {
+        let since = self.since.load(Ordering::Relaxed);
+        (since & Activity::BUSY != 0, since & !Activity::BUSY)
     }
 
     /// Marks a request in progress until the guard is dropped.
     fn busy(self: &Arc<Activity>) -> Busy {
-        self.idle_since.store(Activity::BUSY, Ordering::Relaxed);
+        self.since
+            .store(self.now() | Activity::BUSY, Ordering::Relaxed);
         Busy(self.clone())
     }
 }

@@ -1,6 +1,7 @@
 //! The HTTP server cannot be held: half-sent requests neither block `/readyz`
-//! nor delay SIGTERM; past the cap the connections idle longest make way, so
-//! probes answer within 1 s whoever floods the server, and the relay's file
+//! nor delay SIGTERM; past the cap the connections idle longest (else in a
+//! request longest) make way, so probes answer within 1 s whoever floods the
+//! server, scrapers that never read the answers included, and the relay's file
 //! descriptors stay bounded; concurrent `/healthz` callers share one lag
 //! query, and `/healthz` answers within 2 s whatever the database does. A
 //! failed bind of `http_addr` is said once.
@@ -290,6 +291,81 @@ async fn probes_answer_within_1s_while_one_peer_floods_past_the_cap() {
     let output = relay.output();
     let warnings = output.matches("HTTP connection cap reached").count();
     assert_eq!(warnings, 1, "the flood is logged once a minute:\n{output}");
+}
+
+/// `n` connections that each send `pipelined` scrapes at once and never read
+/// an answer (a receive buffer of 4 KiB): each keeps a scrape in progress,
+/// waiting its turn, for as long as the relay serves it.
+async fn scrapers_that_never_read(addr: SocketAddr, n: usize, pipelined: usize) -> Vec<TcpStream> {
+    let requests = "GET /metrics HTTP/1.1\r\nHost: relay\r\n\r\n".repeat(pipelined);
+    let mut held = Vec::with_capacity(n);
+    for _ in 0..n {
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+        let mut stream = socket.connect(addr).await.expect("connect");
+        stream
+            .write_all(requests.as_bytes())
+            .await
+            .expect("send the scrapes");
+        held.push(stream);
+    }
+    held
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probes_answer_within_1s_while_the_cap_is_held_by_scrapes_never_read() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let env = relay_env(&outbox, &broker, &["a"]);
+    let (mut relay, addr) = spawn_relay(&env).await;
+    let pid = relay.child.id();
+    eventually("the relay is ready", Duration::from_secs(20), || {
+        readyz_ok(addr)
+    })
+    .await;
+    let baseline = fds(pid);
+
+    // Every connection of the cap is in a request: scrapes take turns (one
+    // per 50 ms), so each waits its turn, and the next pipelined one follows.
+    // More than the cap: those past it find every connection in a request.
+    let held = scrapers_that_never_read(addr, CONNECTION_CAP + 16, 50).await;
+    eventually(
+        "the relay holds the cap's worth of scrapers",
+        Duration::from_secs(10),
+        || async { fds(pid) + FD_SLACK >= baseline + CONNECTION_CAP },
+    )
+    .await;
+
+    // Probed as a kubelet would, for 6 s: the scrapers' pipelines keep every
+    // connection in a request once the relay has read them all (a second or
+    // two in), and they would for their 60 s lifetime.
+    for round in 0..24 {
+        for path in ["/livez", "/readyz"] {
+            let asked = Instant::now();
+            let answer =
+                tokio::time::timeout_at(asked + Duration::from_secs(1), http_get(addr, path)).await;
+            let Ok((code, body)) = answer else {
+                panic!("{path} (round {round}) not answered within 1 s beside the scrapers");
+            };
+            assert_eq!(
+                code, 200,
+                "{path} (round {round}) beside the scrapers: {body}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(
+        fds(pid) <= baseline + CONNECTION_CAP + FD_SLACK,
+        "open fds stay bounded by the cap"
+    );
+    drop(held);
+
+    relay.signal("TERM");
+    assert_eq!(relay.wait(Duration::from_secs(20)).await, Some(0));
+    assert!(
+        relay.output().contains("HTTP connection cap reached"),
+        "the scrapers filled the cap"
+    );
 }
 
 /// `GET /metrics` as Prometheus asks for it (`Accept-Encoding: gzip`):
