@@ -16,7 +16,9 @@ use lapin::types::{AMQPValue, ShortString};
 use crate::config::Config;
 use crate::domain::{FailureReason, OutboxRow, Refusal};
 use crate::envelope::Envelope;
-use crate::publisher::{ConfirmOutcome, OpenError, open_channel, traced_message, unroutable};
+use crate::publisher::{
+    ConfirmOutcome, OpenError, close, in_time, open_channel, traced_message, unroutable,
+};
 use crate::store::{Changed, Store, StoreError};
 use crate::traces::PublishSpan;
 
@@ -134,10 +136,12 @@ pub async fn replay(
     // Which statements fit the table (with or without `discarded_at`).
     store.check_columns().await?;
     let (connection, channel) = open_channel(&config.amqp_url, "outbox-relay replay").await?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(ReplayError::Channel)?;
+    in_time(
+        "selecting confirms",
+        channel.confirm_select(ConfirmSelectOptions::default()),
+    )
+    .await?
+    .map_err(ReplayError::Channel)?;
     let frame_max = connection.configuration().frame_max();
     let envelope = Envelope::from_config(config).map_err(ReplayError::Envelope)?;
     let exchange = ShortString::try_new(config.exchange.clone()).unwrap_or_default();
@@ -170,7 +174,7 @@ pub async fn replay(
             });
         }
     };
-    let _ = connection.close(200, "replay done".into()).await;
+    close(&connection, "replay done").await;
     result
 }
 
@@ -213,16 +217,30 @@ async fn send_page(
             mandatory: true,
             immediate: false,
         };
-        match channel
-            .basic_publish(
-                exchange.clone(),
-                message.routing_key,
-                options,
-                &message.body,
-                properties,
-            )
-            .await
-        {
+        let publish = channel.basic_publish(
+            exchange.clone(),
+            message.routing_key,
+            options,
+            &message.body,
+            properties,
+        );
+        // A broker that blocks publishers (or went silent) takes no more: the
+        // replay stops at the row, as at a confirm that does not come.
+        let Ok(published) = tokio::time::timeout(confirm_timeout, publish).await else {
+            let refusal = Refusal::new(
+                FailureReason::Timeout,
+                format!(
+                    "the broker took no message within {} ms (it blocks publishers, or went silent)",
+                    confirm_timeout.as_millis()
+                ),
+            );
+            if let Some(span) = span {
+                span.refused(refusal.reason.as_str(), &refusal.detail);
+            }
+            refused = Some((row.id, refusal.last_error()));
+            break;
+        };
+        match published {
             Ok(confirm) => confirms.push((row.id, confirm, span)),
             Err(error) => {
                 let detail = error.to_string();

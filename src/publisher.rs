@@ -56,7 +56,9 @@ use crate::domain::OutboxRow;
 use link::Link;
 
 pub use error::PublishError;
-pub use open::{OpenError, exchange_kind, open_channel, open_connection, open_first};
+pub use open::{
+    OpenError, close, exchange_kind, in_time, open_channel, open_connection, open_first,
+};
 pub use outcome::{ConfirmOutcome, unroutable};
 pub use publishing::{PROGRESS_STEP, Progress, Publishing};
 pub(crate) use spans::message as traced_message;

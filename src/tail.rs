@@ -15,7 +15,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 
 use crate::config::Config;
-use crate::publisher::{OpenError, exchange_kind, open_channel};
+use crate::publisher::{OpenError, close, exchange_kind, in_time, open_channel};
 
 /// The widest body shown on a line.
 const BODY_WIDTH: usize = 200;
@@ -46,52 +46,52 @@ pub async fn run(
     if config.declare_exchange {
         // As the relay declares it: tail may start first.
         let kind = exchange_kind(&config.exchange_type);
-        channel
-            .exchange_declare(
-                config.exchange.as_str().into(),
-                kind,
-                ExchangeDeclareOptions {
-                    durable: true,
-                    ..ExchangeDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
+        let declared = channel.exchange_declare(
+            config.exchange.as_str().into(),
+            kind,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        );
+        in_time("declaring the exchange", declared)
+            .await?
             .map_err(TailError::Queue)?;
     }
-    let queue = channel
-        .queue_declare(
-            "".into(),
-            QueueDeclareOptions {
-                exclusive: true,
-                auto_delete: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
+    let declared = channel.queue_declare(
+        "".into(),
+        QueueDeclareOptions {
+            exclusive: true,
+            auto_delete: true,
+            ..QueueDeclareOptions::default()
+        },
+        FieldTable::default(),
+    );
+    let queue = in_time("declaring the queue", declared)
+        .await?
         .map_err(TailError::Queue)?;
-    channel
-        .queue_bind(
-            queue.name().clone(),
-            config.exchange.as_str().into(),
-            routing_key.into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
+    let bound = channel.queue_bind(
+        queue.name().clone(),
+        config.exchange.as_str().into(),
+        routing_key.into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    );
+    in_time("binding the queue", bound)
+        .await?
         .map_err(TailError::Queue)?;
-    let mut consumer = channel
-        .basic_consume(
-            queue.name().clone(),
-            "outbox-relay-tail".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..BasicConsumeOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
+    let consuming = channel.basic_consume(
+        queue.name().clone(),
+        "outbox-relay-tail".into(),
+        BasicConsumeOptions {
+            no_ack: true,
+            ..BasicConsumeOptions::default()
+        },
+        FieldTable::default(),
+    );
+    let mut consumer = in_time("consuming", consuming)
+        .await?
         .map_err(TailError::Queue)?;
     eprintln!(
         "outbox-relay tail: exchange {:?}, routing key {routing_key:?}; Ctrl-C to stop",
@@ -113,7 +113,7 @@ pub async fn run(
         writeln!(out, "{line}")?;
         out.flush()?;
     }
-    let _ = connection.close(200, "tail stopped".into()).await;
+    close(&connection, "tail stopped").await;
     Ok(())
 }
 

@@ -7,6 +7,7 @@ use lapin::tcp::{AMQPUriTcpExt, RustlsConnector, TLSConfig};
 use lapin::uri::{AMQPScheme, AMQPUri};
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 
+use super::CONNECT_TIMEOUT;
 use crate::config::{AmqpEndpoint, AmqpTarget};
 
 /// Why a command's own connection and channel (`tail`, `replay`) could not
@@ -22,6 +23,29 @@ pub enum OpenError {
     },
     #[error("the broker refused a channel: {0}")]
     Channel(#[source] lapin::Error),
+    /// The broker accepted the connection but did not answer (or blocks
+    /// publishers) within [`CONNECT_TIMEOUT`]: the command ends rather than
+    /// hang.
+    #[error("the broker did not answer within {} s ({step})", CONNECT_TIMEOUT.as_secs())]
+    Silent { step: &'static str },
+}
+
+/// Closes a command's own connection, waiting at most a second for the
+/// broker's answer (a blocked or silent broker gives none).
+pub async fn close(connection: &Connection, reason: &str) {
+    let closing = connection.close(200, reason.into());
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), closing).await;
+}
+
+/// One step of a command's own connection (`step`: what it does), within
+/// [`CONNECT_TIMEOUT`].
+pub async fn in_time<T>(
+    step: &'static str,
+    answer: impl Future<Output = lapin::Result<T>>,
+) -> Result<lapin::Result<T>, OpenError> {
+    tokio::time::timeout(CONNECT_TIMEOUT, answer)
+        .await
+        .map_err(|_| OpenError::Silent { step })
 }
 
 /// A connection named `name` to the first of `target`'s endpoints that takes
@@ -31,15 +55,17 @@ pub async fn open_channel(
     target: &AmqpTarget,
     name: &str,
 ) -> Result<(Connection, Channel), OpenError> {
-    let connection = open_first(target, name)
+    // Each endpoint within the deadline, as the relay's own session.
+    let endpoints = u32::try_from(target.endpoints.len()).unwrap_or(u32::MAX);
+    let connection = tokio::time::timeout(CONNECT_TIMEOUT * endpoints, open_first(target, name))
         .await
+        .map_err(|_| OpenError::Silent { step: "connecting" })?
         .map_err(|source| OpenError::Connect {
             url: target.to_string(),
             source,
         })?;
-    let channel = connection
-        .create_channel()
-        .await
+    let channel = in_time("opening a channel", connection.create_channel())
+        .await?
         .map_err(OpenError::Channel)?;
     Ok((connection, channel))
 }

@@ -399,3 +399,60 @@ async fn sigterm_while_the_broker_blocks_stops_within_the_grace() {
     assert!(outbox.pending("flow_stop").await > 0);
     drop(alarm);
 }
+
+/// `replay` against a broker that blocks publishers ends at the first row
+/// not taken or not confirmed within `confirm_timeout_ms`, exit 1, naming
+/// it; it does not wait for the unblock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_while_the_broker_blocks_ends_at_the_row_it_reached() {
+    let node = private_node().await;
+    let _turn = turns().lock().await;
+    let outbox = Outbox::create().await;
+    let broker = Broker::create_on(&node.url(), &["#"]).await;
+    let tenants = ["flow_replay"];
+    let env = blocked_relay_env(&outbox, &broker, &tenants);
+    let (mut relay, _) = spawn_relay(&env).await;
+    let mut committed = Committed::new();
+    write_rows(&outbox, &tenants, 20, &mut committed).await;
+    eventually("the rows go out", Duration::from_secs(20), || async {
+        outbox.all_pending().await == 0
+    })
+    .await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait(Duration::from_secs(20)).await, Some(0));
+
+    let alarm = node.alarm();
+    let first = committed["flow_replay"][0].to_string();
+    let mut command = crate::support::relay_command();
+    command
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .args(["replay", "--tenant", "flow_replay", "--from-id", &first]);
+    let asked = Instant::now();
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("replay runs");
+    // Killed past 20 s, rather than left waiting for the unblock.
+    let mut code = None;
+    while asked.elapsed() < Duration::from_secs(20) {
+        if let Some(status) = child.try_wait().expect("replay's status") {
+            code = status.code();
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = child.kill();
+    let took = asked.elapsed();
+    let output = child.wait_with_output().expect("replay's output");
+    drop(alarm);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(code, Some(1), "replay ended within 20 s, exit 1: {stderr}");
+    assert!(stderr.contains("replay stopped at row"), "{stderr}");
+    // Connect, then one publish or confirm deadline of 1 s, well before the
+    // connect deadline of 10 s.
+    assert!(
+        took < Duration::from_secs(8),
+        "replay took {took:?}: {stderr}"
+    );
+}

@@ -517,3 +517,36 @@ async fn a_requeued_row_goes_out_at_once_not_at_the_next_poll() {
     relay.stop().await;
     assert_eq!(by_tenant(&broker.received())["t"], [poisoned]);
 }
+
+/// `tail` and `replay` against a broker that accepts the connection and never
+/// answers: each ends within the connect deadline (10 s), exit 1, saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tail_and_replay_end_rather_than_hang_on_a_silent_broker() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let silent = Proxy::start("127.0.0.1:5672".parse().unwrap(), Mode::Stall).await;
+    let url = format!("amqp://guest:guest@{}/%2f", silent.addr);
+    let runs = [
+        vec!["tail"],
+        vec!["replay", "--tenant", "t", "--from-id", "1"],
+    ]
+    .map(|args| {
+        let mut command = relay_command();
+        command
+            .envs(relay_env(&outbox, &broker, &["any"]))
+            .env("OUTBOX_AMQP_URL", &url)
+            .args(args);
+        tokio::task::spawn_blocking(move || {
+            let started = std::time::Instant::now();
+            let output = command.output().expect("the binary runs");
+            (output, started.elapsed())
+        })
+    });
+    for run in runs {
+        let (output, took) = run.await.expect("the command");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains("did not answer within 10 s"), "{stderr}");
+        assert!(took < Duration::from_secs(15), "took {took:?}: {stderr}");
+    }
+}
