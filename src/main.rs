@@ -40,7 +40,7 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Relay until SIGTERM or SIGINT (the default).
+    /// Relay until SIGTERM, SIGINT or SIGHUP (the default).
     Run,
     /// Apply the migrations and exit.
     Migrate {
@@ -135,8 +135,7 @@ fn main() -> ExitCode {
     let command = cli.command.unwrap_or(Command::Run);
     if let Command::CheckConfig = command {
         warn_unknown_env_on_stderr(&loaded);
-        print!("{}", loaded.render());
-        print!("{}", tracing_settings.render());
+        out(&(loaded.render() + &tracing_settings.render()));
         return ExitCode::SUCCESS;
     }
     let runtime = match tokio::runtime::Builder::new_current_thread()
@@ -197,6 +196,23 @@ fn load(flags: &Options) -> Result<(Loaded, traces::Settings), String> {
 
 /// `migrate --print`: the migration script (or, with `--finish`, the one
 /// that finishes it), for the operator to run.
+/// Writes a command's output to stdout. A reader that stopped reading (`|
+/// head`) ends the output quietly, where `print!` would panic; another
+/// failure to write is said on stderr.
+fn out(text: &str) {
+    use std::io::Write as _;
+    let mut stdout = std::io::stdout().lock();
+    let written = stdout
+        .write_all(text.as_bytes())
+        .and_then(|()| stdout.flush());
+    match written {
+        Err(error) if error.kind() != std::io::ErrorKind::BrokenPipe => {
+            eprintln!("outbox-relay: cannot write the output: {error}");
+        }
+        _ => {}
+    }
+}
+
 fn print_migration(loaded: &Loaded, finish: bool) -> ExitCode {
     // stdout is the script: no log lines there.
     warn_unknown_env_on_stderr(loaded);
@@ -206,7 +222,7 @@ fn print_migration(loaded: &Loaded, finish: bool) -> ExitCode {
     } else {
         migrate::script(schema, table)
     };
-    print!("{script}");
+    out(&script);
     ExitCode::SUCCESS
 }
 
@@ -360,14 +376,11 @@ async fn status(config: Config, json: bool, wide: bool) -> ExitCode {
     .await;
     match result {
         Ok((report, unfit)) => {
-            print!(
-                "{}",
-                if json {
-                    report.json() + "\n"
-                } else {
-                    report.table(wide)
-                }
-            );
+            out(&if json {
+                report.json() + "\n"
+            } else {
+                report.table(wide)
+            });
             if let Some(error) = &unfit {
                 eprintln!("outbox-relay: {error}");
             }
@@ -441,7 +454,7 @@ async fn lifecycle(config: Config, command: Command) -> ExitCode {
             ExitCode::from(EXIT_FATAL)
         }
         Ok(rows) => {
-            print!("{}", said(&rows));
+            out(&said(&rows));
             ExitCode::SUCCESS
         }
         Err(error) => {
@@ -471,7 +484,7 @@ async fn replay(
             ExitCode::from(EXIT_FATAL)
         }
         Ok(replayed) => {
-            print!("{}", lifecycle::replayed_text(tenant, &replayed));
+            out(&lifecycle::replayed_text(tenant, &replayed));
             ExitCode::SUCCESS
         }
         Err(error) => {

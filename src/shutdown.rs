@@ -1,25 +1,34 @@
-//! Shutdown: a signal (SIGTERM or SIGINT) and a cloneable trigger that every
-//! long-running task selects on.
+//! Shutdown: a signal (SIGTERM, SIGINT or SIGHUP) and a cloneable trigger
+//! that every long-running task selects on.
 
 use tokio::sync::watch;
 
-/// Resolves on SIGTERM or SIGINT.
+/// Resolves on SIGTERM or SIGINT, or SIGHUP (a closed terminal, a process
+/// manager's "reload"): each stops the relay the same way, within its grace,
+/// rather than SIGHUP's default of killing it mid-sweep.
 pub async fn signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
         use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = ctrl_c => {}
-                    _ = term.recv() => {}
+        let wait = |kind: SignalKind, name: &'static str| {
+            let listening = signal(kind);
+            async move {
+                match listening {
+                    Ok(mut received) => {
+                        received.recv().await;
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "cannot listen for {name}; it does not stop the relay");
+                        std::future::pending::<()>().await;
+                    }
                 }
             }
-            Err(error) => {
-                tracing::warn!(%error, "cannot listen for SIGTERM; only SIGINT stops the relay");
-                let _ = ctrl_c.await;
-            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            () = wait(SignalKind::terminate(), "SIGTERM") => {}
+            () = wait(SignalKind::hangup(), "SIGHUP") => {}
         }
     }
     #[cfg(not(unix))]

@@ -664,3 +664,42 @@ async fn tail_prints_each_message_the_relay_publishes() {
     lines.signal("TERM");
     relay.stop().await;
 }
+
+/// SIGHUP (a closed terminal, a process manager's "reload") stops the relay
+/// as SIGTERM does: within its grace, exit 0, rather than killing it.
+#[tokio::test]
+async fn sighup_stops_the_relay_as_sigterm_does() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let env = crate::support::relay_env(&outbox, &broker, &["hup"]);
+    let (mut relay, addr) = crate::support::spawn_relay(&env).await;
+    eventually("the relay is ready", Duration::from_secs(20), || async {
+        crate::support::http_get(addr, "/readyz").await.0 == 200
+    })
+    .await;
+    relay.signal("HUP");
+    let code = relay.wait(Duration::from_secs(20)).await;
+    let output = relay.output();
+    assert_eq!(code, Some(0), "clean exit:\n{output}");
+    assert!(
+        output.contains("shutdown requested") && output.contains("outbox-relay stopped"),
+        "{output}"
+    );
+}
+
+/// A reader that stopped reading (`check-config | head -1`) ends the output
+/// quietly, exit 0: no panic (exit 101) and no backtrace.
+#[test]
+fn a_closed_stdout_ends_the_output_quietly() {
+    let (reader, writer) = std::io::pipe().expect("a pipe");
+    drop(reader);
+    let output = relay_command()
+        .env("OUTBOX_TENANTS", "a")
+        .arg("check-config")
+        .stdout(writer)
+        .output()
+        .expect("the binary runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
