@@ -151,6 +151,8 @@ struct Scheduler {
     last_poll_took: Duration,
     /// When a poll last checked the id sequence's settings.
     sequence_checked: Option<Instant>,
+    /// When the poll last checked the table's columns.
+    columns_rechecked: Option<Instant>,
     /// Where the ready queues stood when the last poll started (see
     /// [`Schedule::unqueue_unfound`]).
     poll_mark: u64,
@@ -198,6 +200,7 @@ impl Scheduler {
             last_poll: None,
             last_poll_took: Duration::ZERO,
             sequence_checked: None,
+            columns_rechecked: None,
             poll_mark: 0,
             member: false,
             candidates: HashMap::new(),

@@ -58,6 +58,10 @@ enum ColumnCheck {
 /// least this often, besides at start.
 pub const SEQUENCE_CHECK_EVERY: Duration = Duration::from_secs(10);
 
+/// A poll checks the table's columns at least this often, besides at start
+/// and while they are unfit.
+pub const COLUMNS_CHECK_EVERY: Duration = Duration::from_secs(60);
+
 /// The most tenants one poll reads (about 50 ms of the database's time);
 /// with more pending, the polls page through them in the index's order,
 /// each going on after the last one's last tenant, and start again at the
@@ -109,9 +113,18 @@ impl Scheduler {
         // Checked until fit, while a column is unfit (to see it fixed),
         // and while the table lacks the columns of parking (they appear
         // when `migrate` runs).
+        // And at least every COLUMNS_CHECK_EVERY: a change that no read
+        // fails on (a `tenant_id` made `char(n)`, or given a
+        // case-insensitive collation) would otherwise go unseen.
         let check = !self.columns_checked
             || self.drift.is_some()
-            || !self.relay.store.has_parking_columns();
+            || !self.relay.store.has_parking_columns()
+            || self
+                .columns_rechecked
+                .is_none_or(|at| now >= at + COLUMNS_CHECK_EVERY);
+        if check {
+            self.columns_rechecked = Some(now);
+        }
         // The id sequence's settings too, and at least every
         // SEQUENCE_CHECK_EVERY: an ALTER SEQUENCE … CACHE 20 under a
         // running relay would otherwise go unseen.

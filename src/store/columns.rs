@@ -20,12 +20,21 @@ struct Needed {
     fix: &'static str,
 }
 
-const NEEDED: [Needed; 6] = [
+const NEEDED: [Needed; 7] = [
     Needed {
         name: "id",
         accepts: <i64 as FromSql>::accepts,
         wants: "bigint",
         fix: "bigint",
+    },
+    // Not `char(n)`: the poll would find the padded name, which no read
+    // (comparing as text) matches. Not a nondeterministic collation either
+    // (the catalog check's own test).
+    Needed {
+        name: "tenant_id",
+        accepts: |ty| *ty == Type::TEXT || *ty == Type::VARCHAR,
+        wants: "text or varchar, with a deterministic collation",
+        fix: "text COLLATE \"default\"",
     },
     Needed {
         name: "kind",
@@ -219,6 +228,7 @@ mod tests {
     fn shipped() -> Vec<(&'static str, Type)> {
         vec![
             ("id", Type::INT8),
+            ("tenant_id", Type::TEXT),
             ("kind", Type::TEXT),
             ("subject_id", Type::TEXT),
             ("payload", Type::TEXT),
@@ -250,6 +260,22 @@ mod tests {
         assert_eq!(checked(&with("occurred_at", Type::TIMESTAMP), true), Ok(()));
         assert_eq!(checked(&with("headers", Type::JSON), true), Ok(()));
         assert_eq!(checked(&with("kind", Type::VARCHAR), true), Ok(()));
+        assert_eq!(checked(&with("tenant_id", Type::VARCHAR), true), Ok(()));
+    }
+
+    #[test]
+    fn a_padded_tenant_id_is_unfit() {
+        let drift = checked(&with("tenant_id", Type::BPCHAR), true).unwrap_err();
+        assert_eq!(
+            (drift.column, drift.found.as_deref()),
+            ("tenant_id", Some("bpchar"))
+        );
+        assert!(
+            drift
+                .to_string()
+                .contains("ALTER COLUMN tenant_id TYPE text COLLATE \"default\""),
+            "{drift}"
+        );
     }
 
     #[test]

@@ -6,20 +6,22 @@
 -- description (columns.rs). No row: the table does not exist (yet). A single
 -- row with a NULL column: the table has none of them.
 -- Beside each, whether the table has the columns of parking (`parked_at` and
--- `discarded_at`, migration 0003): the store's statements depend on them.
+-- `discarded_at`, migration 0003): the store's statements depend on them;
+-- and whether the column's collation is deterministic (a case-insensitive
+-- `tenant_id` would make several tenants of one).
 -- $1 = '"schema"."table"'.
 WITH RECURSIVE r AS (
     SELECT to_regclass($1) AS relid
-), resolved (name, type, base) AS (
-    SELECT a.attname::text, a.atttypid, t.typbasetype
+), resolved (name, type, base, collid) AS (
+    SELECT a.attname::text, a.atttypid, t.typbasetype, a.attcollation
     FROM r
     JOIN pg_attribute a
       ON a.attrelid = r.relid
-     AND a.attname IN ('id', 'kind', 'subject_id', 'payload', 'headers', 'occurred_at')
+     AND a.attname IN ('id', 'tenant_id', 'kind', 'subject_id', 'payload', 'headers', 'occurred_at')
      AND a.attnum > 0 AND NOT a.attisdropped
     JOIN pg_type t ON t.oid = a.atttypid
     UNION ALL
-    SELECT d.name, d.base, t.typbasetype
+    SELECT d.name, d.base, t.typbasetype, d.collid
     FROM resolved d JOIN pg_type t ON t.oid = d.base
     WHERE d.base <> 0 AND d.name <> 'id'
 )
@@ -29,7 +31,9 @@ SELECT d.name AS column_name,
        n.nspname::text AS type_schema,
        (SELECT count(*) = 2 FROM pg_attribute l
          WHERE l.attrelid = r.relid AND l.attname IN ('parked_at', 'discarded_at')
-           AND l.attnum > 0 AND NOT l.attisdropped) AS parking
+           AND l.attnum > 0 AND NOT l.attisdropped) AS parking,
+       coalesce((SELECT c.collisdeterministic FROM pg_collation c
+                  WHERE c.oid = d.collid), true) AS deterministic
 FROM r
 LEFT JOIN resolved d ON d.base = 0 OR d.name = 'id'
 LEFT JOIN pg_type t ON t.oid = d.type

@@ -147,14 +147,24 @@ impl Store {
                     None => None,
                 };
                 let parking: bool = row.try_get(4)?;
-                Ok((name.zip(ty), parking))
+                let deterministic: bool = row.try_get(5)?;
+                Ok((name.zip(ty), parking, deterministic))
             })
             .await?;
-        let Some((_, parking)) = found.first() else {
+        let Some((_, parking, _)) = found.first() else {
             return Ok(false);
         };
         self.parking_columns.store(*parking, Ordering::Relaxed);
-        let found: Vec<(String, Type)> = found.into_iter().filter_map(|(c, _)| c).collect();
+        if let Some((Some((_, ty)), _, _)) = found.iter().find(|(column, _, deterministic)| {
+            !deterministic && column.as_ref().is_some_and(|(name, _)| name == "tenant_id")
+        }) {
+            return Err(StoreError::Columns(columns::Drift {
+                table: table.to_string(),
+                column: "tenant_id",
+                found: Some(format!("{} with a nondeterministic collation", ty.name())),
+            }));
+        }
+        let found: Vec<(String, Type)> = found.into_iter().filter_map(|(c, _, _)| c).collect();
         columns::check(
             table,
             found.iter().map(|(name, ty)| (name.as_str(), ty)),

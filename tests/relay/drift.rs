@@ -424,3 +424,82 @@ async fn a_table_made_with_a_timestamp_occurred_at_and_a_jsonb_domain_payload_is
     assert!(health.contains("\"status\":\"ok\""), "{health}");
     relay.stop().await;
 }
+
+/// A `tenant_id` no read fails on, yet that the relay cannot keep tenants
+/// apart with: `char(n)` (the poll finds the padded name, which no read
+/// matches) or a case-insensitive collation (`Mix` and `mix` one tenant to
+/// the table, two to the relay, each publishing the other's rows). Either
+/// is named with its fix by one ERROR, nothing is sent meanwhile, and the
+/// rows go out once it is fixed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_id_that_cannot_keep_tenants_apart_is_named_and_held() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let collation = format!("\"{}\".ci", outbox.schema);
+    outbox
+        .execute(&format!(
+            "CREATE COLLATION {collation} (provider = icu, locale = 'und-u-ks-level2', deterministic = false)"
+        ))
+        .await;
+    let unfit = [
+        (
+            "ALTER TABLE {outbox} ALTER COLUMN tenant_id TYPE char(12)",
+            "is bpchar",
+        ),
+        (
+            &*format!(
+                "ALTER TABLE {{outbox}} ALTER COLUMN tenant_id TYPE text COLLATE {collation}"
+            ),
+            "nondeterministic collation",
+        ),
+    ];
+    let mut sent = 0;
+    for (alter, found) in unfit {
+        outbox.execute(alter).await;
+        // A session of its own: the outbox trigger's plan, cached by a
+        // session that wrote under the column's earlier type, would not fit.
+        let writer = pg_client().await;
+        for tenant in ["Mix", "mix"] {
+            let sql = format!(
+                "INSERT INTO {} (tenant_id, kind, subject_id, payload) VALUES ($1, 'k', 's', '{{}}')",
+                outbox.qualified()
+            );
+            writer.execute(&sql, &[&tenant]).await.expect("insert");
+        }
+        let mut env = relay_env(&outbox, &broker, &["*"]);
+        set_env(&mut env, "OUTBOX_TENANTS", "*");
+        let (mut process, _addr) = spawn_relay(&env).await;
+        eventually(
+            "the unfit column is reported",
+            Duration::from_secs(20),
+            || {
+                let errors = lines_at(&process.output(), "ERROR").len();
+                async move { errors == 1 }
+            },
+        )
+        .await;
+        let output = process.output();
+        let said = lines_at(&output, "ERROR")[0];
+        assert!(
+            said.contains("column \\\"tenant_id\\\"")
+                && said.contains(found)
+                && said.contains("ALTER COLUMN tenant_id TYPE text COLLATE \\\"default\\\""),
+            "{said}"
+        );
+        assert_eq!(broker.count(), sent, "nothing sent");
+        outbox
+            .execute("ALTER TABLE {outbox} ALTER COLUMN tenant_id TYPE text COLLATE \"default\"")
+            .await;
+        sent += 2;
+        eventually(
+            "the rows go out once the column is fixed",
+            Duration::from_secs(30),
+            || async { outbox.all_pending().await == 0 && broker.count() >= sent },
+        )
+        .await;
+        process.signal("TERM");
+        assert_eq!(process.wait(Duration::from_secs(20)).await, Some(0));
+        assert_eq!(broker.count(), sent, "each row once, under its own tenant");
+    }
+    assert_eq!(blamed(&outbox).await, 0, "nothing refused row by row");
+}
