@@ -194,8 +194,6 @@ fn load(flags: &Options) -> Result<(Loaded, traces::Settings), String> {
     Ok((loaded, tracing_settings))
 }
 
-/// `migrate --print`: the migration script (or, with `--finish`, the one
-/// that finishes it), for the operator to run.
 /// Writes a command's output to stdout. A reader that stopped reading (`|
 /// head`) ends the output quietly, where `print!` would panic; another
 /// failure to write is said on stderr.
@@ -213,6 +211,8 @@ fn out(text: &str) {
     }
 }
 
+/// `migrate --print`: the migration script (or, with `--finish`, the one
+/// that finishes it), for the operator to run.
 fn print_migration(loaded: &Loaded, finish: bool) -> ExitCode {
     // stdout is the script: no log lines there.
     warn_unknown_env_on_stderr(loaded);

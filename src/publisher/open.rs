@@ -55,15 +55,7 @@ pub async fn open_channel(
     target: &AmqpTarget,
     name: &str,
 ) -> Result<(Connection, Channel), OpenError> {
-    // Each endpoint within the deadline, as the relay's own session.
-    let endpoints = u32::try_from(target.endpoints.len()).unwrap_or(u32::MAX);
-    let connection = tokio::time::timeout(CONNECT_TIMEOUT * endpoints, open_first(target, name))
-        .await
-        .map_err(|_| OpenError::Silent { step: "connecting" })?
-        .map_err(|source| OpenError::Connect {
-            url: target.to_string(),
-            source,
-        })?;
+    let connection = open_first(target, name).await?;
     let channel = in_time("opening a channel", connection.create_channel())
         .await?
         .map_err(OpenError::Channel)?;
@@ -71,12 +63,21 @@ pub async fn open_channel(
 }
 
 /// A connection to the first of `target`'s endpoints that takes one, tried
-/// in order; the last endpoint's error if none does.
-pub async fn open_first(target: &AmqpTarget, name: &str) -> Result<Connection, lapin::Error> {
+/// in order, each within [`CONNECT_TIMEOUT`] (as the relay's own session
+/// tries them); the last endpoint's error if none does.
+pub async fn open_first(target: &AmqpTarget, name: &str) -> Result<Connection, OpenError> {
     let mut endpoints = target.endpoints.iter();
     let mut last = endpoints.next().expect("a target has an endpoint");
+    let connect = |endpoint| async move {
+        in_time("connecting", open_connection(endpoint, name))
+            .await?
+            .map_err(|source| OpenError::Connect {
+                url: target.to_string(),
+                source,
+            })
+    };
     for next in endpoints {
-        match open_connection(last, name).await {
+        match connect(last).await {
             Ok(connection) => return Ok(connection),
             Err(error) => {
                 tracing::debug!(endpoint = %last.address(), %error, "cannot connect; trying the next endpoint");
@@ -84,7 +85,7 @@ pub async fn open_first(target: &AmqpTarget, name: &str) -> Result<Connection, l
         }
         last = next;
     }
-    open_connection(last, name).await
+    connect(last).await
 }
 
 /// A connection to `target` named `name` (as the broker's management shows

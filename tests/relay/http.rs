@@ -17,8 +17,8 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use crate::support::{
-    AMQP_URL, Broker, DATABASE_URL, Outbox, config, eventually, http_get, pg_client, relay_command,
-    relay_env, set_env, spawn_relay, start_relay,
+    AMQP_URL, Broker, DATABASE_URL, Outbox, RelayProcess, config, eventually, http_get, pg_client,
+    relay_command, relay_env, set_env, spawn_relay, start_relay,
 };
 
 /// The relay's limits (`http::Limits::DEFAULT`).
@@ -61,18 +61,24 @@ async fn readyz_ok(addr: SocketAddr) -> bool {
     http_get(addr, "/readyz").await.0 == 200
 }
 
+/// The relay started with `env`, once `/readyz` says it is ready.
+async fn spawn_ready(env: &[(String, String)]) -> (RelayProcess, SocketAddr) {
+    let (relay, addr) = spawn_relay(env).await;
+    eventually("the relay is ready", Duration::from_secs(20), || {
+        readyz_ok(addr)
+    })
+    .await;
+    (relay, addr)
+}
+
 #[tokio::test]
 async fn hundreds_of_half_sent_requests_neither_block_readyz_nor_delay_sigterm() {
     let outbox = Outbox::create().await;
     let broker = Broker::create(&["#"]).await;
     let mut env = relay_env(&outbox, &broker, &["a"]);
     set_env(&mut env, "OUTBOX_SHUTDOWN_GRACE_MS", "3000");
-    let (mut relay, addr) = spawn_relay(&env).await;
+    let (mut relay, addr) = spawn_ready(&env).await;
     let pid = relay.child.id();
-    eventually("the relay is ready", Duration::from_secs(20), || {
-        readyz_ok(addr)
-    })
-    .await;
     let baseline = fds(pid);
 
     let opened = Instant::now();
@@ -111,12 +117,8 @@ async fn at_the_cap_the_connection_idle_longest_makes_way_and_fds_stay_bounded()
     let outbox = Outbox::create().await;
     let broker = Broker::create(&["#"]).await;
     let env = relay_env(&outbox, &broker, &["a"]);
-    let (mut relay, addr) = spawn_relay(&env).await;
+    let (mut relay, addr) = spawn_ready(&env).await;
     let pid = relay.child.id();
-    eventually("the relay is ready", Duration::from_secs(20), || {
-        readyz_ok(addr)
-    })
-    .await;
     let baseline = fds(pid);
 
     // The cap's worth of half-sent requests, all held by the relay.
@@ -243,11 +245,7 @@ async fn probes_answer_within_1s_while_one_peer_floods_past_the_cap() {
     let outbox = Outbox::create().await;
     let broker = Broker::create(&["#"]).await;
     let env = relay_env(&outbox, &broker, &["a"]);
-    let (mut relay, addr) = spawn_relay(&env).await;
-    eventually("the relay is ready", Duration::from_secs(20), || {
-        readyz_ok(addr)
-    })
-    .await;
+    let (mut relay, addr) = spawn_ready(&env).await;
 
     // More idle connections than the cap, from the probes' own address,
     // opened again as fast as the relay closes them.
@@ -317,12 +315,8 @@ async fn probes_answer_within_1s_while_the_cap_is_held_by_scrapes_never_read() {
     let outbox = Outbox::create().await;
     let broker = Broker::create(&["#"]).await;
     let env = relay_env(&outbox, &broker, &["a"]);
-    let (mut relay, addr) = spawn_relay(&env).await;
+    let (mut relay, addr) = spawn_ready(&env).await;
     let pid = relay.child.id();
-    eventually("the relay is ready", Duration::from_secs(20), || {
-        readyz_ok(addr)
-    })
-    .await;
     let baseline = fds(pid);
 
     // Every connection of the cap is in a request: scrapes take turns (one
