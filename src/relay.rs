@@ -19,7 +19,7 @@ use crate::domain::{BatchReport, FailureReason, OutboxRow, Outcome, Refusal};
 use crate::lag::LagTracker;
 use crate::metrics::Metrics;
 use crate::publisher::{Progress, PublishError, Publisher};
-use crate::store::{Claim, Settled, Store, StoreError};
+use crate::store::{Claim, KeptPending, Settled, Store, StoreError};
 use crate::wakeup::Wakeups;
 
 /// At most this many full batches go out in one transaction (one claim).
@@ -110,6 +110,17 @@ pub enum SweepFailure {
         published: usize,
         refusal: Refusal,
     },
+    /// The broker confirmed rows that the table then kept from being marked
+    /// published (see [`KeptPending`]): they go out again at the tenant's
+    /// next sweep, which its back-off holds off.
+    #[error(
+        "{} confirmed row(s) from row {} stayed pending: the table kept the mark from \
+         setting published_at (a BEFORE UPDATE trigger that returns NULL, or a row-level \
+         security policy that hides the rows from the relay's role); they go out again \
+         at the tenant's next sweep",
+        .0.rows, .0.first
+    )]
+    KeptPending(KeptPending),
 }
 
 /// Why the relay could not be built.
@@ -452,7 +463,11 @@ impl Relay {
     fn settled(
         &self,
         tenant: &str,
-        Settled { rows, parked }: Settled,
+        Settled {
+            rows,
+            parked,
+            kept_pending,
+        }: Settled,
         full: bool,
         report: BatchReport,
         fence: Option<i64>,
@@ -461,6 +476,9 @@ impl Relay {
         self.metrics.count_published(tenant, published);
         for delay in self.delays(&rows, &report) {
             self.metrics.delivered_after(delay);
+        }
+        if let Some(kept) = kept_pending {
+            return SweepOutcome::Failed(SweepFailure::KeptPending(kept));
         }
         match report.refusal {
             Some((_, refusal)) if let Some(parked) = parked => {

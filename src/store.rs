@@ -51,7 +51,7 @@ mod sequence;
 mod statements;
 mod table;
 
-pub use claim::{Claim, Parked, Settled};
+pub use claim::{Claim, KeptPending, Parked, Settled};
 pub use columns::Drift;
 pub use connect::{CONNECT_TIMEOUT, POOL_WAIT_TIMEOUT};
 pub(crate) use connect::{TlsStream, connect, session_keepalives};

@@ -179,6 +179,13 @@ fn report(tenant: &str, outcome: &SweepOutcome) {
             error = %refusal.detail,
             "sweep failed: row refused"
         ),
+        SweepOutcome::Failed(failure @ SweepFailure::KeptPending(kept)) => tracing::error!(
+            tenant,
+            rows = kept.rows,
+            row = kept.first,
+            reason = "kept_pending",
+            "sweep failed: {failure}"
+        ),
         SweepOutcome::Failed(SweepFailure::Aborted(error)) => {
             tracing::error!(tenant, reason = "aborted", %error, "sweep failed")
         }

@@ -17,11 +17,24 @@ use super::statements::{BEGIN, CLAIM, DEALLOCATE};
 use super::{Store, StoreError};
 use crate::domain::{BatchReport, Lease, OutboxRow, Payload};
 
-/// How a claim ended: its batch, and the row its refusal parked, if any.
+/// How a claim ended: its batch, the row its refusal parked, if any, and
+/// the confirmed rows its marks did not take on, if any.
 #[derive(Debug)]
 pub struct Settled {
     pub rows: Vec<OutboxRow>,
     pub parked: Option<Parked>,
+    pub kept_pending: Option<KeptPending>,
+}
+
+/// Confirmed rows still pending after the commit that marked them: the table
+/// kept the marks from taking (a `BEFORE UPDATE` trigger that returns NULL,
+/// a row-level security policy that hides them from the relay's role), so
+/// they would go out again at every sweep.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeptPending {
+    pub rows: i64,
+    /// The lowest of them.
+    pub first: i64,
 }
 
 /// A row parked as its sweep settled.
@@ -298,19 +311,60 @@ impl Claim {
             // A failed statement turns the COMMIT into a rollback: report the
             // statement's error, not the commit's success. (The connection
             // then closes with the claim, and what it prepared with it.)
-            marked?;
+            let marked = marked?;
             unmarked?;
             let parked = recorded?;
             deallocated?;
             commit?;
-            Ok(parked)
+            Ok((marked, parked))
         };
         let committed = deadline("the commit", work).await;
-        let parked = self.store.dropping_idle_if_read_only(committed)?;
+        let (marked, parked) = self.store.dropping_idle_if_read_only(committed)?;
+        let kept_pending = self
+            .kept_pending(marked, published.len(), confirmed)
+            .await?;
         self.release();
         Ok(Settled {
             rows: std::mem::take(&mut self.rows),
             parked,
+            kept_pending,
+        })
+    }
+
+    /// After the commit, when the marks changed fewer rows than they named
+    /// (`marked` by the settlement's own of its `named`, beside those sent
+    /// ahead): which of the `confirmed` prefix are still pending. A row
+    /// deleted meanwhile is not; one the table kept from the mark is. No
+    /// round trip when every mark took.
+    async fn kept_pending(
+        &self,
+        marked: u64,
+        named: usize,
+        confirmed: usize,
+    ) -> Result<Option<KeptPending>, StoreError> {
+        let (marked, named) = {
+            let ahead = self.ahead.lock().unwrap_or_else(|e| e.into_inner());
+            (ahead.marked + marked, (ahead.rows + named) as u64)
+        };
+        if marked >= named {
+            return Ok(None);
+        }
+        let ids: Vec<i64> = self.rows[..confirmed.min(self.rows.len())]
+            .iter()
+            .map(|row| row.id)
+            .collect();
+        let client = self.client();
+        let sql = &self.store.statements().still_pending;
+        let row = deadline("checking the marks", async {
+            Ok(client
+                .query_typed_one(sql, &[(&ids, Type::INT8_ARRAY)])
+                .await?)
+        })
+        .await?;
+        let rows: i64 = row.try_get(0)?;
+        Ok(match row.try_get::<_, Option<i64>>(1)? {
+            Some(first) if rows > 0 => Some(KeptPending { rows, first }),
+            _ => None,
         })
     }
 

@@ -67,6 +67,7 @@ const READ_PAYLOAD: &str = include_str!("read_payload.sql");
 const MARK_PUBLISHED: &str = include_str!("mark_published.sql");
 const RECORD_REFUSAL: &str = include_str!("record_refusal.sql");
 const UNMARK_PUBLISHED: &str = include_str!("unmark_published.sql");
+const STILL_PENDING: &str = include_str!("still_pending.sql");
 const PENDING_TENANTS: &str = include_str!("pending_tenants.sql");
 const TENANT_LAG: &str = include_str!("tenant_lag.sql");
 const TENANT_STATUS: &str = include_str!("tenant_status.sql");
@@ -98,6 +99,7 @@ pub(super) struct Statements {
     pub(super) read_payload: String,
     pub(super) mark_published: String,
     pub(super) unmark_published: String,
+    pub(super) still_pending: String,
     pub(super) record_refusal: String,
     pub(super) pending_tenants: String,
     pub(super) watch: String,
@@ -133,6 +135,7 @@ impl Statements {
             read_payload: sql(READ_PAYLOAD),
             mark_published,
             unmark_published: sql(UNMARK_PUBLISHED),
+            still_pending: sql(STILL_PENDING),
             record_refusal: sql(RECORD_REFUSAL),
             pending_tenants: sql(PENDING_TENANTS),
             watch: sql(WATCH),

@@ -12,19 +12,11 @@ use std::time::Duration;
 use lapin::types::AMQPValue;
 
 use crate::support::{
-    Broker, Outbox, config, eventually, http_get, pg_client, relay_command, relay_env, set_env,
-    spawn_relay, start_relay, unique,
+    Broker, Outbox, config, eventually, http_get, lines_at, pg_client, relay_command, relay_env,
+    set_env, spawn_relay, start_relay, unique,
 };
 
 /// The JSON log lines of `level` in `output`.
-fn lines_at<'a>(output: &'a str, level: &str) -> Vec<&'a str> {
-    let level = format!("\"level\":\"{level}\"");
-    output
-        .lines()
-        .filter(|line| line.contains(&level))
-        .collect()
-}
-
 /// Inserts one row of `tenant` whose payload is `payload` (SQL); its id.
 async fn insert(outbox: &Outbox, tenant: &str, payload: &str) -> i64 {
     outbox

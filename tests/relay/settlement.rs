@@ -5,7 +5,10 @@ use std::time::Duration;
 use lapin::types::AMQPValue;
 use outbox_relay::template::MessageIdTemplate;
 
-use crate::support::{Broker, Outbox, config, eventually, metric, pg_client, start_relay};
+use crate::support::{
+    Broker, Outbox, config, eventually, http_get, lines_at, metric, pg_client, relay_env, set_env,
+    spawn_relay, start_relay,
+};
 
 /// The broker confirmed a whole batch, then the sweep's backend is
 /// terminated before its marks commit: the relay marks the confirmed rows
@@ -113,4 +116,88 @@ async fn message_id_is_the_rendered_template() {
         );
     }
     relay.stop().await;
+}
+
+/// A `BEFORE UPDATE` trigger that returns NULL for one tenant's rows keeps
+/// the relay's marks from taking: the broker confirms the rows, the commit
+/// succeeds, and the rows stay pending. The relay says so in an ERROR naming
+/// the tenant and the cause, and backs the tenant off rather than sending
+/// its batch again at every poll; the other tenant is not held up. Once the
+/// trigger is gone, the rows are marked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn marks_the_table_keeps_from_taking_are_reported_and_backed_off() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let function = format!("\"{}\".keep_pending", outbox.schema);
+    outbox
+        .execute(&format!(
+            "CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NEW.tenant_id = 'kept' THEN RETURN NULL; END IF;
+                 RETURN NEW;
+             END $$;
+             CREATE TRIGGER keep_pending BEFORE UPDATE ON {{outbox}}
+                 FOR EACH ROW EXECUTE FUNCTION {function}()"
+        ))
+        .await;
+    let kept = outbox.insert_many("kept", 5).await;
+    let other = outbox.insert_many("other", 5).await;
+    let mut env = relay_env(&outbox, &broker, &["kept", "other"]);
+    set_env(&mut env, "OUTBOX_MAX_BACKOFF_MS", "2000");
+    let (mut process, addr) = spawn_relay(&env).await;
+
+    eventually(
+        "the marks kept from taking are reported",
+        Duration::from_secs(20),
+        || {
+            let output = process.output();
+            async move { !lines_at(&output, "ERROR").is_empty() }
+        },
+    )
+    .await;
+    let output = process.output();
+    let said = lines_at(&output, "ERROR")[0];
+    assert!(
+        said.contains("\"tenant\":\"kept\"")
+            && said.contains(&format!("\"row\":{}", kept[0]))
+            && said.contains("stayed pending")
+            && said.contains("BEFORE UPDATE trigger"),
+        "{said}"
+    );
+    eventually(
+        "the other tenant is published",
+        Duration::from_secs(20),
+        || async { outbox.pending("other").await == 0 },
+    )
+    .await;
+    let metrics = http_get(addr, "/metrics").await.1;
+    let backoff = metric(&metrics, "outbox_tenant_backoff_seconds{tenant=\"kept\"}");
+    assert!(backoff.is_some_and(|b| b > 0.0), "backed off: {metrics}");
+    assert_eq!(outbox.pending("kept").await, kept.len() as i64);
+
+    outbox
+        .execute("DROP TRIGGER keep_pending ON {outbox}")
+        .await;
+    eventually(
+        "the rows are marked once the trigger is gone",
+        Duration::from_secs(20),
+        || async { outbox.pending("kept").await == 0 },
+    )
+    .await;
+    process.signal("TERM");
+    assert_eq!(process.wait(Duration::from_secs(20)).await, Some(0));
+    let received = broker.received();
+    let of = |tenant: &str| -> Vec<i64> {
+        received
+            .iter()
+            .filter(|m| m.tenant() == tenant)
+            .map(|m| m.id)
+            .collect()
+    };
+    assert_eq!(of("other"), other, "the other tenant's rows once, in order");
+    let sent_kept = of("kept");
+    assert!(
+        sent_kept.chunks(kept.len()).all(|run| run == kept),
+        "the kept tenant's rows, whole and in order each time: {sent_kept:?}"
+    );
 }

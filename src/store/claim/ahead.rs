@@ -35,6 +35,10 @@ enum Answers {
 pub(super) struct MarksAhead {
     /// The claim's rows, from its first, that the marks cover.
     pub(super) rows: usize,
+    /// The rows the marks answered so far changed, all told: short of
+    /// `rows` once they are all answered when the table kept some marks
+    /// from taking (see [`Claim::settle`]).
+    pub(super) marked: u64,
     pub(super) sent: Vec<MarkAhead>,
     pub(super) next: Option<ReadAhead>,
     /// The read and the mark were prepared, by the claim's first read ahead
@@ -115,6 +119,7 @@ impl MarksAhead {
             }
             None => true,
         });
+        self.marked += marked;
         if let Some(error) = first_error {
             return Err(error);
         }
@@ -346,10 +351,12 @@ mod tests {
             sent: vec![answered(2), waiting(), answered(3)],
             next: None,
             prepared: false,
+            marked: 0,
         };
         assert_eq!(ahead.take_answers().unwrap(), 5);
         assert_eq!(ahead.sent.len(), 1, "the mark still waiting stays");
         assert_eq!(ahead.take_answers().unwrap(), 0);
+        assert_eq!(ahead.marked, 5, "every answer taken counts, all told");
     }
 
     #[test]
@@ -359,6 +366,7 @@ mod tests {
             sent: vec![answered(2), failed("first"), failed("second")],
             next: None,
             prepared: false,
+            marked: 0,
         };
         let error = ahead.take_answers().unwrap_err();
         assert_eq!(error.to_string(), "first");
@@ -374,6 +382,7 @@ mod tests {
                 Err(StoreError::Sequence("read".into()))
             })),
             prepared: false,
+            marked: 0,
         };
         assert_eq!(ahead.take_answers().unwrap_err().to_string(), "read");
         assert!(ahead.next.is_none());
@@ -383,6 +392,7 @@ mod tests {
             sent: vec![answered(1)],
             next: Some(Started::new(async { Ok(ReadRows::default()) })),
             prepared: false,
+            marked: 0,
         };
         assert_eq!(ahead.take_answers().unwrap(), 1);
         let next = ahead.next.as_mut().expect("kept to be appended");

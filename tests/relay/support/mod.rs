@@ -24,7 +24,8 @@ pub use history::check_history;
 pub use http::{http_get, metric};
 pub use in_process::{RelayHandle, config, start_relay};
 pub use process::{
-    RelayProcess, binary_command, relay_command, relay_env, set_env, spawn_relay, spawn_relay_of,
+    RelayProcess, binary_command, lines_at, relay_command, relay_env, set_env, spawn_relay,
+    spawn_relay_of,
 };
 pub use services::{PrivateServer, free_port, initdb, private_cluster};
 

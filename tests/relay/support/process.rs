@@ -58,6 +58,15 @@ pub fn relay_env(outbox: &Outbox, broker: &Broker, tenants: &[&str]) -> Vec<(Str
     .collect()
 }
 
+/// The lines of a relay's JSON log output at `level` (e.g. `"ERROR"`).
+pub fn lines_at<'a>(output: &'a str, level: &str) -> Vec<&'a str> {
+    let level = format!("\"level\":\"{level}\"");
+    output
+        .lines()
+        .filter(|line| line.contains(&level))
+        .collect()
+}
+
 /// Sets `key` in an environment list, replacing an earlier value.
 pub fn set_env(env: &mut Vec<(String, String)>, key: &str, value: impl Into<String>) {
     env.retain(|(k, _)| k != key);
