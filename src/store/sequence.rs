@@ -33,6 +33,57 @@ pub struct Writers {
     pub tenants: Vec<Vec<String>>,
 }
 
+/// What a read of the id sequence found (see `store/sequence.sql`).
+struct SequenceFound {
+    name: String,
+    oid: i64,
+    cache: i64,
+    increment: i64,
+    cycles: bool,
+    readable: bool,
+    /// `None` when this role may not read it.
+    position: Option<i64>,
+    /// The table's highest id, when read (and the table has rows).
+    highest: Option<i64>,
+}
+
+/// What the checks of the id sequence have seen of its position.
+#[derive(Debug, Default)]
+pub(super) struct PositionSeen {
+    /// The position at the last check.
+    last: Option<i64>,
+    /// Whether the last check found it behind an id it had already given.
+    behind: bool,
+}
+
+/// How a check found the id sequence's position changed (see
+/// [`PositionSeen::note`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum PositionChange {
+    /// It stands below `given`, an id it had already given (the position at
+    /// an earlier check, or the table's highest id).
+    Behind { given: i64 },
+    /// It stands past every id it had given again.
+    Caught,
+}
+
+impl PositionSeen {
+    /// Notes a check's `position`, beside the table's `highest` id when it
+    /// was read: the change to say, if any. A sequence only ascends, so a
+    /// position below the last one, or below an id of the table, was set
+    /// back (or the id was not drawn from it).
+    pub(super) fn note(&mut self, position: i64, highest: Option<i64>) -> Option<PositionChange> {
+        let given = self.last.into_iter().chain(highest).max();
+        self.last = Some(position);
+        let behind = given.is_some_and(|given| position < given);
+        match (std::mem::replace(&mut self.behind, behind), behind) {
+            (false, true) => given.map(|given| PositionChange::Behind { given }),
+            (true, false) => Some(PositionChange::Caught),
+            _ => None,
+        }
+    }
+}
+
 impl Store {
     /// The id sequence's oid (0: none), checked first if no check has said.
     pub(super) async fn sequence(&self) -> Result<i64, StoreError> {
@@ -47,29 +98,35 @@ impl Store {
     /// Returns its oid, 0 when the table (or its id column's sequence) does
     /// not exist, in which case no fence holds rows back; an unfit sequence
     /// is [`StoreError::Sequence`], and nothing may be relayed in order.
+    ///
+    /// It also notes where the sequence stands (see [`PositionSeen`]): a
+    /// position below an id it had already given is said once, at WARN.
     pub async fn check_sequence(&self) -> Result<i64, StoreError> {
         let table = &self.statements().table;
-        let found = self
-            .query_all(
-                "the id sequence check",
-                SEQUENCE,
-                &[(table, Type::TEXT)],
-                |row| {
-                    Ok((
-                        row.try_get::<_, String>("sequence")?,
-                        row.try_get::<_, i64>("sequence_oid")?,
-                        row.try_get::<_, i64>("cache")?,
-                        row.try_get::<_, i64>("increment")?,
-                        row.try_get::<_, bool>("cycles")?,
-                        row.try_get::<_, bool>("readable")?,
-                    ))
-                },
-            )
-            .await?;
-        let Some((name, oid, cache, increment, cycles, readable)) = found.into_iter().next() else {
+        let known = self.sequence.load(Ordering::Relaxed) > 0;
+        let mut found = self.read_sequence(known).await?;
+        if !known && found.is_some() {
+            // The table exists: read again with its highest id beside (at
+            // start, and once the table appears).
+            found = self.read_sequence(true).await?;
+        }
+        let Some(SequenceFound {
+            name,
+            oid,
+            cache,
+            increment,
+            cycles,
+            readable,
+            position,
+            highest,
+        }) = found
+        else {
             self.sequence.store(0, Ordering::Relaxed);
             return Ok(0);
         };
+        if let Some(position) = position {
+            self.note_position(&name, table, position, highest);
+        }
         let unfit = if cache != 1 {
             Some(format!(
                 "has CACHE {cache}: a draw shows the end of its session's cached range to every other session; fix: ALTER SEQUENCE {name} CACHE 1"
@@ -97,6 +154,71 @@ impl Store {
         }
         self.sequence.store(oid, Ordering::Relaxed);
         Ok(oid)
+    }
+
+    /// Reads the id sequence's settings and position (see
+    /// `store/sequence.sql`), and the table's highest id `with_highest`
+    /// (the table must exist); `None` when the table or its sequence does
+    /// not.
+    async fn read_sequence(&self, with_highest: bool) -> Result<Option<SequenceFound>, StoreError> {
+        let statements = self.statements();
+        let sql = match with_highest {
+            true => &statements.sequence_highest,
+            false => SEQUENCE,
+        };
+        let found = self
+            .query_all(
+                "the id sequence check",
+                sql,
+                &[(&statements.table, Type::TEXT)],
+                |row| {
+                    Ok(SequenceFound {
+                        name: row.try_get("sequence")?,
+                        oid: row.try_get("sequence_oid")?,
+                        cache: row.try_get("cache")?,
+                        increment: row.try_get("increment")?,
+                        cycles: row.try_get("cycles")?,
+                        readable: row.try_get("readable")?,
+                        position: row.try_get("position")?,
+                        highest: match with_highest {
+                            true => row.try_get("highest")?,
+                            false => None,
+                        },
+                    })
+                },
+            )
+            .await?;
+        Ok(found.into_iter().next())
+    }
+
+    /// Notes where the id sequence `name` of `table` stands, and says once
+    /// when it falls behind an id it had already given, and once when it
+    /// has passed them again.
+    fn note_position(&self, name: &str, table: &str, position: i64, highest: Option<i64>) {
+        let change = self
+            .sequence_seen
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .note(position, highest);
+        match change {
+            Some(PositionChange::Behind { given }) => tracing::warn!(
+                sequence = name,
+                position,
+                given,
+                "the id sequence {name} of {table} stands at {position}, below id {given} that it \
+                 had already given (set back by setval, ALTER SEQUENCE … RESTART or TRUNCATE … \
+                 RESTART IDENTITY, or rows inserted with explicit ids): the rows it numbers next \
+                 reuse ids already sent as message_id, which consumers that deduplicate on it may \
+                 drop, and pending rows with ids above {position} wait until it passes them (commit \
+                 order); fix: SELECT setval('{name}', (SELECT max(id) FROM {table}))"
+            ),
+            Some(PositionChange::Caught) => tracing::info!(
+                sequence = name,
+                position,
+                "the id sequence {name} of {table} stands past every id it had given again"
+            ),
+            None => {}
+        }
     }
 
     /// Where the id sequence stands (0 when the table has none), and, when
@@ -227,5 +349,50 @@ impl Store {
             }
         }
         Ok(writers)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_position_behind_an_id_already_given_is_said_once_and_its_end_once() {
+        let mut seen = PositionSeen::default();
+        assert_eq!(
+            seen.note(10, None),
+            None,
+            "the first check: nothing to compare"
+        );
+        assert_eq!(
+            seen.note(15, Some(15)),
+            None,
+            "ascending, past the table's ids"
+        );
+        assert_eq!(
+            seen.note(3, Some(15)),
+            Some(PositionChange::Behind { given: 15 }),
+            "set back"
+        );
+        assert_eq!(seen.note(4, Some(15)), None, "still behind: said already");
+        assert_eq!(seen.note(16, Some(16)), Some(PositionChange::Caught));
+        assert_eq!(seen.note(17, None), None);
+    }
+
+    #[test]
+    fn a_set_back_is_seen_on_an_emptied_table_and_an_explicit_id_at_the_first_check() {
+        let mut seen = PositionSeen::default();
+        seen.note(500, Some(500));
+        assert_eq!(
+            seen.note(0, None),
+            Some(PositionChange::Behind { given: 500 }),
+            "TRUNCATE … RESTART IDENTITY: nothing in the table, the last position says"
+        );
+        let mut seen = PositionSeen::default();
+        assert_eq!(
+            seen.note(20, Some(1_000)),
+            Some(PositionChange::Behind { given: 1_000 }),
+            "a row inserted with an id the sequence never gave"
+        );
     }
 }

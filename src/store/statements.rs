@@ -100,6 +100,9 @@ pub(super) struct Statements {
     pub(super) mark_published: String,
     pub(super) unmark_published: String,
     pub(super) still_pending: String,
+    /// `sequence.sql` with the table's highest id beside it (a step down the
+    /// primary key), for a table known to exist.
+    pub(super) sequence_highest: String,
     pub(super) record_refusal: String,
     pub(super) pending_tenants: String,
     pub(super) watch: String,
@@ -136,6 +139,9 @@ impl Statements {
             mark_published,
             unmark_published: sql(UNMARK_PUBLISHED),
             still_pending: sql(STILL_PENDING),
+            sequence_highest: format!(
+                "SELECT s.*, (SELECT max(id) FROM {table}) AS highest\nFROM (\n{SEQUENCE}) s"
+            ),
             record_refusal: sql(RECORD_REFUSAL),
             pending_tenants: sql(PENDING_TENANTS),
             watch: sql(WATCH),

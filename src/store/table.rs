@@ -1,14 +1,14 @@
 //! [`Store`]: the outbox table of one relay, its pool and its statements,
 //! and what the store notes of the table (its columns, its id sequence).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use deadpool_postgres::{Object, Pool};
 use tokio_postgres::types::{Kind, Type};
 
 use super::connect::pool;
-use super::sequence::SEQUENCE_UNKNOWN;
+use super::sequence::{PositionSeen, SEQUENCE_UNKNOWN};
 use super::statements::{COLUMNS, Statements};
 use super::{StoreError, columns};
 use crate::config::Config;
@@ -36,6 +36,8 @@ pub struct Store {
     /// 0 when the id column draws from none, [`SEQUENCE_UNKNOWN`] before a
     /// check said.
     pub(super) sequence: Arc<AtomicI64>,
+    /// Where the checks of the id sequence found it.
+    pub(super) sequence_seen: Arc<Mutex<PositionSeen>>,
 }
 
 impl Store {
@@ -65,6 +67,7 @@ impl Store {
             batch_size: i64::try_from(config.batch_size).unwrap_or(i64::MAX),
             max_payload_bytes: i64::try_from(config.max_payload_bytes).unwrap_or(i64::MAX),
             sequence: Arc::new(AtomicI64::new(SEQUENCE_UNKNOWN)),
+            sequence_seen: Arc::default(),
         })
     }
 

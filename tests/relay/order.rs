@@ -15,8 +15,8 @@ use outbox_relay::store::Store;
 use tokio_postgres::Client;
 
 use crate::support::{
-    Broker, DATABASE_URL, Outbox, OwnedSchema, by_tenant, check_history, config, eventually,
-    pg_client, relay_command, relay_env, spawn_relay, start_relay, unique,
+    Broker, DATABASE_URL, Outbox, OwnedSchema, RelayProcess, by_tenant, check_history, config,
+    eventually, pg_client, relay_command, relay_env, spawn_relay, start_relay, unique,
 };
 
 /// Committed ids per tenant.
@@ -859,4 +859,94 @@ async fn a_sequence_altered_to_cache_rows_under_the_relay_stops_it_until_fixed()
         check_history(&outbox, &broker, &committed, Duration::from_secs(40)).await,
         0
     );
+}
+
+/// A sequence set back (by `setval`, a restore) would otherwise strand
+/// pending rows above its position without a word, and number new rows with
+/// ids already sent as `message_id`. The relay says so once at WARN, with
+/// the position, the id already given and the fix: at start when the table
+/// holds an id above the position, and within the check's 10 s when it is
+/// set back under the relay. Once the sequence passes the row again, it
+/// goes out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequence_behind_an_id_it_gave_is_said_with_the_fix() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let first = outbox.insert("seq", "k", "s", Some("{}"), None).await;
+    let second = outbox.insert("seq", "k", "s", Some("{}"), None).await;
+    let sequence = format!("'\"{}\".outbox_message_id_seq'", outbox.schema);
+    outbox
+        .execute(&format!("SELECT setval({sequence}, {first})"))
+        .await;
+    let env = relay_env(&outbox, &broker, &["seq"]);
+    let (relay, _) = spawn_relay(&env).await;
+    said_once(&relay, first, second).await;
+    let output = relay.output();
+    assert!(
+        output.contains(&format!(
+            "fix: SELECT setval('{}.outbox_message_id_seq', (SELECT max(id) FROM",
+            outbox.schema
+        )),
+        "{output}"
+    );
+    eventually(
+        "the row below the position goes out",
+        Duration::from_secs(20),
+        || async { broker.count() >= 1 },
+    )
+    .await;
+    assert_eq!(
+        outbox.pending("seq").await,
+        1,
+        "the row above the position waits"
+    );
+
+    outbox
+        .execute(&format!("SELECT setval({sequence}, {second})"))
+        .await;
+    eventually(
+        "the row goes out once the sequence passes it",
+        Duration::from_secs(30),
+        || async { outbox.pending("seq").await == 0 },
+    )
+    .await;
+    eventually(
+        "the relay sees the sequence past its ids again",
+        Duration::from_secs(30),
+        || {
+            let caught = relay
+                .output()
+                .contains("stands past every id it had given again");
+            async move { caught }
+        },
+    )
+    .await;
+    outbox
+        .execute(&format!("SELECT setval({sequence}, 1)"))
+        .await;
+    said_once(&relay, 1, second).await;
+    let committed = Committed::from([("seq".to_string(), vec![first, second])]);
+    assert_eq!(
+        check_history(&outbox, &broker, &committed, Duration::from_secs(20)).await,
+        0
+    );
+}
+
+/// Waits until `relay` has said once, at WARN, that the id sequence stands at
+/// `position`, below `given`.
+async fn said_once(relay: &RelayProcess, position: i64, given: i64) {
+    let said = format!("stands at {position}, below id {given} that it had already given");
+    eventually(
+        "the relay says the sequence is behind",
+        Duration::from_secs(30),
+        || {
+            let output = relay.output();
+            let lines = output
+                .lines()
+                .filter(|line| line.contains("\"level\":\"WARN\"") && line.contains(&said))
+                .count();
+            async move { lines == 1 }
+        },
+    )
+    .await
 }
