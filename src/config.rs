@@ -679,6 +679,27 @@ mod tests {
     }
 
     #[test]
+    fn an_error_shows_a_value_escaped_and_cut_to_one_short_line() {
+        let huge = "1\u{1b}[2J\n".repeat(1_000_000);
+        let said = error(
+            None,
+            &[
+                ("OUTBOX_TENANTS", "a"),
+                ("OUTBOX_BATCH_SIZE", huge.as_str()),
+            ],
+        );
+        assert!(said.len() < 1_000, "{} bytes", said.len());
+        assert!(!said.chars().any(char::is_control), "{said}");
+        assert!(
+            said.contains("OUTBOX_BATCH_SIZE") && said.contains("whole number"),
+            "{said}"
+        );
+        let key = error(Some(r#""batch\u001bsize" = 1"#), &[("OUTBOX_TENANTS", "a")]);
+        assert!(key.contains("unknown key `batch\\u{1b}size`"), "{key}");
+        assert!(!key.chars().any(char::is_control), "{key}");
+    }
+
+    #[test]
     fn tenants_are_required_non_empty_and_unique() {
         assert!(error(None, &[]).contains("tenants is required"));
         let empty = error(None, &[("OUTBOX_TENANTS", "a,,b")]);

@@ -45,6 +45,7 @@ pub mod lag;
 pub mod lifecycle;
 pub mod metrics;
 pub mod migrate;
+pub mod printable;
 pub mod publisher;
 pub mod redact;
 pub mod relay;

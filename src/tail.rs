@@ -15,6 +15,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 
 use crate::config::Config;
+use crate::printable::{cut, escape_controls};
 use crate::publisher::{OpenError, close, exchange_kind, in_time, open_channel};
 
 /// The widest body shown on a line.
@@ -151,11 +152,7 @@ fn short(text: Option<&lapin::types::ShortString>) -> String {
 /// cut to [`BODY_WIDTH`].
 fn as_line(delivery: &lapin::message::Delivery) -> String {
     let body = String::from_utf8_lossy(&delivery.data);
-    let cut: String = body.chars().take(BODY_WIDTH).collect();
-    let mut shown = escape_controls(&cut);
-    if body.chars().count() > BODY_WIDTH {
-        shown.push('…');
-    }
+    let shown = cut(&body, BODY_WIDTH);
     format!(
         "{} message_id={} type={} headers={} body={shown}",
         escape_controls(delivery.routing_key.as_str()),
@@ -163,35 +160,6 @@ fn as_line(delivery: &lapin::message::Delivery) -> String {
         escape_controls(&short(delivery.properties.kind().as_ref())),
         escape_controls(&serde_json::Value::Object(headers(delivery)).to_string()),
     )
-}
-
-/// `text` as written, but for what could break the line or drive a
-/// terminal: control characters (C0, DEL, C1), the Unicode line and
-/// paragraph separators and the bidirectional overrides are escaped
-/// (`\n`, `\r`, `\t`, else `\u{..}`). Quotes and backslashes stay as they
-/// are, so a JSON body reads as JSON.
-fn escape_controls(text: &str) -> String {
-    use std::fmt::Write as _;
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        match c {
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if c.is_control() || is_layout_control(c) => {
-                let _ = write!(out, "\\u{{{:x}}}", u32::from(c));
-            }
-            c => out.push(c),
-        }
-    }
-    out
-}
-
-/// Characters that are not `Cc` controls but still move text about on a
-/// screen: the line and paragraph separators and the bidirectional
-/// embeddings, overrides and isolates.
-fn is_layout_control(c: char) -> bool {
-    matches!(c, '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
 }
 
 /// One JSON object, the whole body as text.
@@ -204,37 +172,4 @@ fn as_json(delivery: &lapin::message::Delivery) -> String {
         "body": String::from_utf8_lossy(&delivery.data),
     })
     .to_string()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn quotes_and_backslashes_are_shown_as_written() {
-        let body = r#"{"total":"12.50","path":"C:\temp"}"#;
-        assert_eq!(escape_controls(body), body);
-    }
-
-    #[test]
-    fn line_breaks_and_tabs_are_escaped_so_one_message_stays_one_line() {
-        assert_eq!(
-            escape_controls("a\nb\r\nc\td"),
-            r"a\nb\r\nc\td",
-            "no raw line break or tab is left"
-        );
-    }
-
-    #[test]
-    fn terminal_controls_are_escaped() {
-        // ESC (C0), DEL, CSI (C1), and a right-to-left override.
-        let shown = escape_controls("\u{1b}[31mred\u{7f}\u{9b}2J\u{202e}txt");
-        assert_eq!(shown, r"\u{1b}[31mred\u{7f}\u{9b}2J\u{202e}txt");
-        assert!(!shown.chars().any(|c| c.is_control()));
-    }
-
-    #[test]
-    fn other_text_is_untouched() {
-        assert_eq!(escape_controls("zoë → 東京 🚀"), "zoë → 東京 🚀");
-    }
 }

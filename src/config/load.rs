@@ -11,6 +11,17 @@ use figment::{Figment, Metadata, Profile, Provider};
 
 use super::read::{Fallback, Render, Rule};
 use super::{CONFIG_FILE_VAR, Config, ConfigError, ENV_FALLBACKS, ENV_PREFIX, KEYS, Origin};
+use crate::printable::cut;
+
+// What an error shows of text the user gave: escaped, and cut to these many
+// characters, so that a value with control characters or of 100 MB makes
+// one readable line.
+/// Of a value.
+const VALUE_WIDTH: usize = 200;
+/// Of a key or variable name.
+const NAME_WIDTH: usize = 100;
+/// Of a reason (which may quote the value).
+const REASON_WIDTH: usize = 500;
 
 /// The raw inputs of every layer but the defaults.
 #[derive(Debug, Clone, Default)]
@@ -97,7 +108,7 @@ impl Sources {
             for key in file_dict.keys() {
                 let known = KEYS.iter().find(|k| **k == key.as_str()).ok_or_else(|| {
                     ConfigError::UnknownKey {
-                        key: key.clone(),
+                        key: cut(key, NAME_WIDTH),
                         path: path.clone(),
                     }
                 })?;
@@ -147,7 +158,7 @@ impl Sources {
                 let key = name.strip_prefix(ENV_PREFIX)?;
                 let known =
                     name == CONFIG_FILE_VAR || KEYS.iter().any(|k| k.eq_ignore_ascii_case(key));
-                (!known).then(|| name.clone())
+                (!known).then(|| cut(name, NAME_WIDTH))
             })
             .collect();
 
@@ -166,7 +177,7 @@ impl Sources {
 fn read_file(path: &Path) -> Result<Dict, ConfigError> {
     let file_error = |reason: String| ConfigError::File {
         path: path.to_path_buf(),
-        reason,
+        reason: cut(&reason, REASON_WIDTH),
     };
     let text = std::fs::read_to_string(path).map_err(|e| file_error(e.to_string()))?;
     // The TOML parser's own message quotes the offending line, which may be
@@ -203,13 +214,13 @@ impl Validator<'_> {
         let value = if key.ends_with("_url") {
             "(not shown: it may hold a password)".to_string()
         } else {
-            value
+            cut(&value, VALUE_WIDTH)
         };
         ConfigError::Invalid {
             key,
             value,
             origin: self.origins.get(key).cloned().unwrap_or(Origin::Default),
-            reason,
+            reason: cut(&reason, REASON_WIDTH),
         }
     }
 

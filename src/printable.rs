@@ -1,0 +1,89 @@
+//! Text from outside the relay (configuration values, message bodies, keys
+//! and names) made fit to print on one line of a terminal or a log: control
+//! characters escaped, and long text cut.
+
+use std::fmt::Write as _;
+
+/// `text` as written, but for what could break the line or drive a
+/// terminal: control characters (C0, DEL, C1), the Unicode line and
+/// paragraph separators and the bidirectional overrides are escaped
+/// (`\n`, `\r`, `\t`, else `\u{..}`). Quotes and backslashes stay as they
+/// are, so a JSON body reads as JSON.
+pub fn escape_controls(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c.is_control() || is_layout_control(c) => {
+                let _ = write!(out, "\\u{{{:x}}}", u32::from(c));
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// The first `width` characters of `text`, escaped (see
+/// [`escape_controls`]), followed by `…` when there was more.
+pub fn cut(text: &str, width: usize) -> String {
+    let mut chars = text.char_indices();
+    match chars.nth(width) {
+        None => escape_controls(text),
+        Some((end, _)) => {
+            let mut shown = escape_controls(&text[..end]);
+            shown.push('…');
+            shown
+        }
+    }
+}
+
+/// Characters that are not `Cc` controls but still move text about on a
+/// screen: the line and paragraph separators and the bidirectional
+/// embeddings, overrides and isolates.
+fn is_layout_control(c: char) -> bool {
+    matches!(c, '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quotes_and_backslashes_are_shown_as_written() {
+        let body = r#"{"total":"12.50","path":"C:\temp"}"#;
+        assert_eq!(escape_controls(body), body);
+    }
+
+    #[test]
+    fn line_breaks_and_tabs_are_escaped_so_one_message_stays_one_line() {
+        assert_eq!(
+            escape_controls("a\nb\r\nc\td"),
+            r"a\nb\r\nc\td",
+            "no raw line break or tab is left"
+        );
+    }
+
+    #[test]
+    fn terminal_controls_are_escaped() {
+        // ESC (C0), DEL, CSI (C1), and a right-to-left override.
+        let shown = escape_controls("\u{1b}[31mred\u{7f}\u{9b}2J\u{202e}txt");
+        assert_eq!(shown, r"\u{1b}[31mred\u{7f}\u{9b}2J\u{202e}txt");
+        assert!(!shown.chars().any(|c| c.is_control()));
+    }
+
+    #[test]
+    fn other_text_is_untouched() {
+        assert_eq!(escape_controls("zoë → 東京 🚀"), "zoë → 東京 🚀");
+    }
+
+    #[test]
+    fn long_text_is_cut_at_a_character_and_marked() {
+        assert_eq!(cut("abc", 3), "abc");
+        assert_eq!(cut("abcd", 3), "abc…");
+        assert_eq!(cut("日本語です", 2), "日本…");
+        assert_eq!(cut("\n\n\n\n", 2), "\\n\\n…");
+        assert_eq!(cut(&"x".repeat(100_000_000), 5), "xxxxx…");
+    }
+}
