@@ -74,15 +74,17 @@ impl SweepOutcome {
 
     /// Whether the sweep failed because the database could not be reached,
     /// the broker connection was lost, absent or timed out, or a column of
-    /// the table is unfit: an outage, which is no tenant's doing and must not
-    /// grow its back-off. A refusal of the
+    /// the table or its id sequence is unfit: an outage, which is no
+    /// tenant's doing and must not grow its back-off. A refusal of the
     /// tenant's own row (nack, unroutable, too large, invalid), a statement
     /// the server refused, a row that did not decode, or the relay's own
     /// trouble is the tenant's failure.
     pub fn is_outage(&self) -> bool {
         match self {
             SweepOutcome::Failed(SweepFailure::Store(error)) => {
-                error.is_unreachable() || error.drift().is_some()
+                error.is_unreachable()
+                    || error.drift().is_some()
+                    || error.unfit_sequence().is_some()
             }
             SweepOutcome::Failed(SweepFailure::Refused { refusal, .. }) => matches!(
                 refusal.reason,

@@ -124,6 +124,10 @@ struct Scheduler {
     /// A column a read or a check found unfit: no sweep starts until a
     /// check finds the columns fit again (logged once per change).
     drift: Option<Drift>,
+    /// What a check or a sweep found unfit in the id sequence: no sweep
+    /// starts, and every poll checks it, until a check finds it fit again
+    /// (logged once per change).
+    sequence_unfit: Option<String>,
     /// A sweep's statement named something the table lacks (SQLSTATE class
     /// 42: a column dropped or retyped under the relay): no sweep starts
     /// until the next poll has checked the columns, so that one failed sweep,
@@ -190,6 +194,7 @@ impl Scheduler {
             database_up: None,
             columns_checked: false,
             drift: None,
+            sequence_unfit: None,
             held_for_check: false,
             poll_error: None,
             unconfigured: HashSet::new(),

@@ -42,6 +42,9 @@ pub(super) struct Polled {
     /// The page it read.
     page: Page,
     columns: ColumnCheck,
+    /// What the check of the id sequence that went with it found, if one did:
+    /// fit, or what makes it unfit.
+    sequence: Option<Result<(), String>>,
 }
 
 /// What the check of the table's columns that went with a poll found.
@@ -129,6 +132,7 @@ impl Scheduler {
         // SEQUENCE_CHECK_EVERY: an ALTER SEQUENCE … CACHE 20 under a
         // running relay would otherwise go unseen.
         let check_sequence = check
+            || self.sequence_unfit.is_some()
             || self
                 .sequence_checked
                 .is_none_or(|at| now >= at + SEQUENCE_CHECK_EVERY);
@@ -140,9 +144,14 @@ impl Scheduler {
             limit: POLL_PAGE,
         };
         self.poll = Some(Box::pin(async move {
-            if check_sequence {
-                relay.store.check_sequence().await?;
-            }
+            let sequence = match check_sequence.then(|| relay.store.check_sequence()) {
+                None => None,
+                Some(checked) => match checked.await {
+                    Ok(_) => Some(Ok(())),
+                    Err(StoreError::Sequence(unfit)) => Some(Err(unfit)),
+                    Err(error) => return Err(error),
+                },
+            };
             let columns = match check.then(|| relay.store.check_columns()) {
                 None => ColumnCheck::NotRun,
                 Some(checked) => match checked.await {
@@ -158,6 +167,7 @@ impl Scheduler {
                 found,
                 page,
                 columns,
+                sequence,
             })
         }));
         self.next_poll = now + self.relay.config.poll_interval();
@@ -173,11 +183,15 @@ impl Scheduler {
             found,
             page,
             columns,
+            sequence,
         } = match result {
             Ok(polled) => polled,
             Err(error) => return self.poll_failed(error),
         };
         self.poll_succeeded(columns);
+        if let Some(checked) = sequence {
+            self.sequence_checked(checked);
+        }
         self.take_pending(found, &page);
     }
 
@@ -234,6 +248,25 @@ impl Scheduler {
                 "{drift}"
             );
             self.drift = Some(drift);
+        }
+    }
+
+    /// A check of the id sequence (or a sweep's) found it fit, or unfit
+    /// (what makes it so): sweeps stop while it is unfit, and every poll
+    /// checks it then; said once per change.
+    pub(super) fn sequence_checked(&mut self, checked: Result<(), String>) {
+        match checked {
+            Ok(()) => {
+                if self.sequence_unfit.take().is_some() {
+                    tracing::info!("the id sequence fits again; relaying resumes");
+                }
+            }
+            Err(unfit) => {
+                if self.sequence_unfit.as_deref() != Some(unfit.as_str()) {
+                    tracing::error!("{unfit}");
+                    self.sequence_unfit = Some(unfit);
+                }
+            }
         }
     }
 

@@ -29,6 +29,7 @@ impl Scheduler {
         self.relay.publisher.can_publish()
             && self.database_up != Some(false)
             && self.drift.is_none()
+            && self.sequence_unfit.is_none()
             && !self.held_for_check
     }
 
@@ -82,6 +83,9 @@ impl Scheduler {
         if let SweepOutcome::Failed(SweepFailure::Store(error)) = &outcome {
             match error.drift() {
                 Some(drift) => self.columns_unfit(drift.clone()),
+                None if let Some(unfit) = error.unfit_sequence() => {
+                    self.sequence_checked(Err(unfit.to_string()));
+                }
                 // A statement the server refused may be a column gone or
                 // changed under the read, and so may a read that did not
                 // answer (the driver looks up a type it does not know, such
@@ -192,6 +196,10 @@ fn report(tenant: &str, outcome: &SweepOutcome) {
         SweepOutcome::Failed(SweepFailure::Store(error)) if error.drift().is_some() => {
             // Said once by the scheduler, not once per tenant.
             tracing::debug!(tenant, reason = "columns", %error, "sweep stopped: a column is unfit")
+        }
+        SweepOutcome::Failed(SweepFailure::Store(error)) if error.unfit_sequence().is_some() => {
+            // Said once by the scheduler, not once per tenant.
+            tracing::debug!(tenant, reason = "sequence", %error, "sweep stopped: the id sequence is unfit")
         }
         SweepOutcome::Failed(SweepFailure::Store(error)) if error.is_unreachable() => {
             tracing::warn!(

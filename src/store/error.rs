@@ -75,6 +75,14 @@ impl StoreError {
         }
     }
 
+    /// What makes the id sequence unfit, when that is what failed.
+    pub fn unfit_sequence(&self) -> Option<&str> {
+        match self {
+            StoreError::Sequence(unfit) => Some(unfit),
+            _ => None,
+        }
+    }
+
     /// The unfit column, when that is what failed.
     pub fn drift(&self) -> Option<&Drift> {
         match self {
