@@ -851,6 +851,7 @@ mod tests {
             Some(json!({
                 "big": 9_223_372_036_854_775_808_u64,
                 "neg": -7,
+                "gone": null,
                 "esc": "a\"b\u{e9}",
                 "outbox-occurred-at": {"nested": [1, 2]},
             })),
@@ -862,6 +863,7 @@ mod tests {
             "past i64, a double"
         );
         assert_eq!(header(&m, "neg"), Some(&AMQPValue::LongLongInt(-7)));
+        assert_eq!(header(&m, "gone"), None, "null: left out, as if absent");
         assert_eq!(header(&m, "esc"), Some(&long_string("a\"bé")));
         assert_eq!(
             header(&m, "outbox-occurred-at"),
