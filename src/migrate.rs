@@ -123,6 +123,11 @@ const RECORD_TABLE: &str = include_str!("migrate/record.sql");
 const RECORDED: &str =
     "SELECT version FROM outbox_relay_migrations WHERE table_name = $1 AND version = $2";
 const RECORDED_ALL: &str = "SELECT version FROM outbox_relay_migrations WHERE table_name = $1";
+/// Forgets what was applied to a table that no longer exists (dropped
+/// since): its migrations run again. $1 = the table's name, $2 = it quoted
+/// and schema-qualified.
+const FORGET_DROPPED: &str = "DELETE FROM outbox_relay_migrations \
+                              WHERE table_name = $1 AND to_regclass($2) IS NULL";
 const RECORD: &str = "INSERT INTO outbox_relay_migrations (table_name, version, name) \
                       VALUES ($1, $2, $3) ON CONFLICT DO NOTHING";
 const INVALID_INDEX: &str = "SELECT 1 FROM pg_index i \
@@ -358,6 +363,21 @@ async fn prepare(client: &mut ClientWrapper, config: &Config) -> Result<BTreeSet
         quote_ident(&config.schema)
     ))
     .await?;
+    let qualified = qualified_table(&config.schema, &config.table);
+    let forgotten = tx
+        .execute_typed(
+            FORGET_DROPPED,
+            &[(&config.table, Type::TEXT), (&qualified, Type::TEXT)],
+        )
+        .await?;
+    if forgotten > 0 {
+        tracing::info!(
+            schema = %config.schema,
+            table = %config.table,
+            forgotten,
+            "the table was dropped since its migrations ran; they run again"
+        );
+    }
     let versions = tx
         .query_typed(RECORDED_ALL, &[(&config.table, Type::TEXT)])
         .await?

@@ -550,3 +550,37 @@ async fn tail_and_replay_end_rather_than_hang_on_a_silent_broker() {
         assert!(took < Duration::from_secs(15), "took {took:?}: {stderr}");
     }
 }
+
+/// An outbox table dropped after `migrate` ran keeps its record of applied
+/// migrations; `migrate` then finds the table gone, forgets that record and
+/// creates the table again, with its trigger, rather than calling it up to
+/// date.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_creates_a_dropped_table_again() {
+    let outbox = Outbox::create().await;
+    outbox.execute("DROP TABLE {outbox}").await;
+    let mut command = relay_command();
+    command.envs([
+        ("OUTBOX_TENANTS", "a"),
+        ("OUTBOX_DATABASE_URL", crate::support::DATABASE_URL),
+        ("OUTBOX_SCHEMA", outbox.schema.as_str()),
+        ("OUTBOX_TABLE", outbox.table.as_str()),
+    ]);
+    let output = command.arg("migrate").output().expect("the binary runs");
+    let log = String::from_utf8_lossy(&output.stdout).into_owned()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{log}");
+    assert!(log.contains("dropped since its migrations ran"), "{log}");
+    assert!(!log.contains("up to date"), "{log}");
+    let triggers: i64 = outbox
+        .client
+        .query_one(
+            "SELECT count(*) FROM pg_trigger WHERE tgrelid = to_regclass($1) AND NOT tgisinternal",
+            &[&outbox.qualified()],
+        )
+        .await
+        .expect("the table's triggers")
+        .get(0);
+    assert!(triggers >= 1, "the commit-order trigger is back");
+    assert_eq!(outbox.insert_many("a", 2).await.len(), 2);
+}
