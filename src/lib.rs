@@ -69,6 +69,7 @@ use crate::backoff::Backoff;
 use crate::config::Config;
 use crate::relay::{Relay, SetupError};
 use crate::shutdown::Shutdown;
+use tokio::task::JoinHandle;
 
 /// Why the relay could not run.
 #[derive(Debug, thiserror::Error)]
@@ -131,6 +132,23 @@ async fn require_parking(relay: &Relay) -> Result<(), RunError> {
     }
 }
 
+/// The least time the broker connection's close gets at shutdown, even
+/// once the grace period is spent: a close that answers takes a few ms.
+const CLOSE_AT_LEAST: Duration = Duration::from_millis(500);
+
+/// How long past the grace period the scheduler is waited for at shutdown:
+/// its drain's own deadline, which abandons its sweeps, comes first.
+const SCHEDULER_MARGIN: Duration = Duration::from_millis(250);
+
+/// Waits for `task` until `deadline`, then aborts it, saying `what` was
+/// abandoned.
+async fn finish_by(deadline: tokio::time::Instant, mut task: JoinHandle<()>, what: &str) {
+    if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
+        task.abort();
+        tracing::warn!("shutdown grace period over: abandoning {what}");
+    }
+}
+
 /// Runs an already-built relay on an already-bound listener (tests use port 0).
 pub async fn serve(
     relay: Arc<Relay>,
@@ -178,16 +196,29 @@ pub async fn serve(
 
     shutdown.await;
     tracing::info!("shutdown requested");
+    // Everything below ends within the grace period (the broker's close
+    // gets at least CLOSE_AT_LEAST): what has not ended by then is
+    // abandoned, as a pod's kill would, but said.
+    let deadline = tokio::time::Instant::now() + relay.config.shutdown_grace();
     stop_scheduler.fire();
-    let _ = scheduler.await;
+    // The scheduler drains its sweeps within the grace period itself; a
+    // start-up migration waiting on a silent database does not.
+    // (Its own drain ends at the grace period, timed from a moment later.)
+    finish_by(
+        deadline + SCHEDULER_MARGIN,
+        scheduler,
+        "the scheduler (a start-up migration)",
+    )
+    .await;
     if let Some(wakeup) = wakeup {
-        let _ = wakeup.await;
+        finish_by(deadline, wakeup, "the wake-up connection").await;
     }
     if let Some(retention) = retention {
-        let _ = retention.await;
+        finish_by(deadline, retention, "retention").await;
     }
     stop_rest.fire();
-    let _ = broker.await;
+    let closing = deadline.max(tokio::time::Instant::now() + CLOSE_AT_LEAST);
+    finish_by(closing, broker, "the broker connection's close").await;
     connected_gauge.abort();
     endpoint_gauge.abort();
     blocked_gauge.abort();

@@ -584,3 +584,42 @@ async fn migrate_creates_a_dropped_table_again() {
     assert!(triggers >= 1, "the commit-order trigger is back");
     assert_eq!(outbox.insert_many("a", 2).await.len(), 2);
 }
+
+/// A broker that stops answering with rows pending: at the stop a sweep's
+/// confirms never come (the drain ends at the grace period), and the
+/// connection's close, which would wait for an answer, gets only what is
+/// left of it (at least 0.5 s): the relay stops within about the grace
+/// period, not 3 s past it. Nothing is marked that the broker did not
+/// confirm.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_with_a_silent_broker_ends_within_the_grace_period() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let proxy = Proxy::start("127.0.0.1:5672".parse().unwrap(), Mode::Pass).await;
+    let mut config = config(&outbox, &broker, &["silent"]);
+    config.amqp_url = format!("amqp://guest:guest@{}/%2f", proxy.addr)
+        .parse()
+        .expect("amqp url");
+    config.shutdown_grace_ms = 1_000;
+    config.confirm_timeout_ms = 60_000;
+    let relay = start_relay(config).await;
+    outbox.insert_many("silent", 1).await;
+    eventually("the broker has a row", Duration::from_secs(20), || async {
+        broker.count() == 1
+    })
+    .await;
+    proxy.set(Mode::Stall);
+    let ids = outbox.insert_many("silent", 50).await;
+    let started = std::time::Instant::now();
+    relay.stop().await;
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_millis(2_500),
+        "stopped {took:?} after the signal, with a grace period of 1 s"
+    );
+    assert_eq!(
+        outbox.pending("silent").await,
+        ids.len() as i64,
+        "nothing marked without a confirm"
+    );
+}
