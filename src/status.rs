@@ -8,6 +8,8 @@ use crate::store::TenantStatus;
 
 /// The widest `last_error` shown in the table (JSON has it whole).
 const ERROR_WIDTH: usize = 72;
+/// A tenant name's width in the table (`--wide`: whole).
+const TENANT_WIDTH: usize = 48;
 
 /// What `status` reports.
 #[derive(Debug, Serialize)]
@@ -49,6 +51,7 @@ impl Report {
     /// `wide`: each `last_error` whole (on its line), not cut to fit.
     pub fn table(&self, wide: bool) -> String {
         let width = if wide { usize::MAX } else { ERROR_WIDTH };
+        let tenant_width = if wide { usize::MAX } else { TENANT_WIDTH };
         let header = [
             "TENANT",
             "PENDING",
@@ -71,7 +74,7 @@ impl Report {
                 )
             };
             rows.push([
-                s.tenant.clone(),
+                shorten(&s.tenant, tenant_width),
                 s.pending.to_string(),
                 s.parked.to_string(),
                 lag,
@@ -159,6 +162,19 @@ mod tests {
             last_error: blocking.and_then(|b| (!b.2.is_empty()).then(|| b.2.to_string())),
             parked: 0,
         }
+    }
+
+    #[test]
+    fn a_long_or_unprintable_tenant_name_is_cut_to_one_line_unless_wide() {
+        let long = format!("t\u{1b}[2J{}", "x".repeat(9_000));
+        let report = Report::new(60_000, vec![status(&long, 1, 10, None)]);
+        let table = report.table(false);
+        let line = table.lines().nth(1).expect("the tenant's line");
+        assert!(line.starts_with("t [2Jxxx"), "{line}");
+        assert!(line.chars().count() < 120, "{line}");
+        assert!(!table.contains('\u{1b}'));
+        let wide = report.table(true);
+        assert!(wide.contains(&"x".repeat(9_000)) && !wide.contains('\u{1b}'));
     }
 
     #[test]
