@@ -1210,6 +1210,13 @@ mod tests {
             loaded.config.database_url.to_string(),
             "the pool's target unless set"
         );
+        assert!(
+            loaded
+                .render()
+                .contains("6432/app\"  # unset: database_url's\n"),
+            "{}",
+            loaded.render()
+        );
         let loaded = load(
             None,
             &[

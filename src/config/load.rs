@@ -48,7 +48,12 @@ impl Loaded {
     pub fn render(&self) -> String {
         let mut out = String::new();
         for (key, value) in self.config.rendered() {
-            let origin = self.origins.get(key).cloned().unwrap_or(Origin::Default);
+            let origin = match (self.origins.get(key), key) {
+                (Some(origin), _) => origin.to_string(),
+                // Unset, it is database_url's value, wherever that came from.
+                (None, "listen_database_url") => "unset: database_url's".to_string(),
+                (None, _) => Origin::Default.to_string(),
+            };
             out.push_str(&format!("{key} = {value}  # {origin}\n"));
         }
         out
