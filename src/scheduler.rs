@@ -108,6 +108,20 @@ pub async fn run(relay: Arc<Relay>, shutdown: Shutdown) {
     scheduler.drain().await;
 }
 
+/// Whether rows were found pending or published since each periodic check
+/// (see `Scheduler::work_since`).
+struct WorkSince {
+    sequence_check: bool,
+    columns_check: bool,
+}
+
+impl WorkSince {
+    fn seen(&mut self) {
+        self.sequence_check = true;
+        self.columns_check = true;
+    }
+}
+
 /// The scheduler loop's state: the schedule, the running sweeps and the poll.
 struct Scheduler {
     relay: Arc<Relay>,
@@ -157,6 +171,12 @@ struct Scheduler {
     sequence_checked: Option<Instant>,
     /// When the poll last checked the table's columns.
     columns_rechecked: Option<Instant>,
+    /// Rows were found pending or published since the last periodic check
+    /// of the id sequence, and of the columns: those checks are made only
+    /// then (one more after the rows stop, none while idle), so an idle
+    /// relay's poll stays one transaction; the first due after rows turn up
+    /// makes up for any skipped.
+    work_since: WorkSince,
     /// Where the ready queues stood when the last poll started (see
     /// [`Schedule::unqueue_unfound`]).
     poll_mark: u64,
@@ -206,6 +226,10 @@ impl Scheduler {
             last_poll_took: Duration::ZERO,
             sequence_checked: None,
             columns_rechecked: None,
+            work_since: WorkSince {
+                sequence_check: true,
+                columns_check: true,
+            },
             poll_mark: 0,
             member: false,
             candidates: HashMap::new(),

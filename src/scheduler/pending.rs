@@ -75,6 +75,9 @@ impl Scheduler {
             parked,
         } = found;
         self.learn_members(&listeners);
+        if !pending.is_empty() {
+            self.work_since.seen();
+        }
         let now = Instant::now();
         // A page that was not full ends the cycle; one that started it too
         // saw every pending tenant.

@@ -119,25 +119,30 @@ impl Scheduler {
         // And at least every COLUMNS_CHECK_EVERY: a change that no read
         // fails on (a `tenant_id` made `char(n)`, or given a
         // case-insensitive collation) would otherwise go unseen.
+        // The periodic checks only after rows were seen (see `work_since`).
         let check = !self.columns_checked
             || self.drift.is_some()
             || !self.relay.store.has_parking_columns()
-            || self
-                .columns_rechecked
-                .is_none_or(|at| now >= at + COLUMNS_CHECK_EVERY);
+            || (self.work_since.columns_check
+                && self
+                    .columns_rechecked
+                    .is_none_or(|at| now >= at + COLUMNS_CHECK_EVERY));
         if check {
             self.columns_rechecked = Some(now);
+            self.work_since.columns_check = false;
         }
         // The id sequence's settings too, and at least every
         // SEQUENCE_CHECK_EVERY: an ALTER SEQUENCE … CACHE 20 under a
         // running relay would otherwise go unseen.
         let check_sequence = check
             || self.sequence_unfit.is_some()
-            || self
-                .sequence_checked
-                .is_none_or(|at| now >= at + SEQUENCE_CHECK_EVERY);
+            || (self.work_since.sequence_check
+                && self
+                    .sequence_checked
+                    .is_none_or(|at| now >= at + SEQUENCE_CHECK_EVERY));
         if check_sequence {
             self.sequence_checked = Some(now);
+            self.work_since.sequence_check = false;
         }
         let page = Page {
             after: self.poll_after.clone(),

@@ -78,6 +78,7 @@ impl Scheduler {
         | SweepOutcome::Deferred { rows, .. } = outcome
             && rows > 0
         {
+            self.work_since.seen();
             self.active(Instant::now());
         }
         if let SweepOutcome::Failed(SweepFailure::Store(error)) = &outcome {
