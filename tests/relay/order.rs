@@ -16,8 +16,8 @@ use tokio_postgres::Client;
 
 use crate::support::{
     Broker, DATABASE_URL, Outbox, OwnedSchema, RelayProcess, by_tenant, check_history, config,
-    eventually, http_get, metric, pg_client, relay_command, relay_env, spawn_relay, start_relay,
-    unique,
+    eventually, http_get, lines_at, metric, pg_client, relay_command, relay_env, spawn_relay,
+    start_relay, unique,
 };
 
 /// Committed ids per tenant.
@@ -888,10 +888,7 @@ async fn a_sequence_altered_to_cache_rows_under_the_relay_stops_it_until_fixed()
         "no sweep failed: {metrics}"
     );
     let output = relay.output();
-    let errors: Vec<&str> = output
-        .lines()
-        .filter(|line| line.contains("\"level\":\"ERROR\""))
-        .collect();
+    let errors = lines_at(&output, "ERROR");
     assert_eq!(errors.len(), 1, "said once: {errors:?}");
     assert!(output.contains("the id sequence fits again"), "{output}");
 }
@@ -979,9 +976,9 @@ async fn said(relay: &RelayProcess, given: i64, times: usize) {
         Duration::from_secs(30),
         || {
             let output = relay.output();
-            let lines = output
-                .lines()
-                .filter(|line| line.contains("\"level\":\"WARN\"") && line.contains(&said))
+            let lines = lines_at(&output, "WARN")
+                .into_iter()
+                .filter(|line| line.contains(&said))
                 .count();
             async move { lines == times }
         },
