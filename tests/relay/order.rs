@@ -925,12 +925,14 @@ async fn a_sequence_behind_an_id_it_gave_is_said_with_the_fix() {
         )),
         "{output}"
     );
+    // Delivery and mark land in either order: wait for both.
     eventually(
         "the row below the position goes out",
         Duration::from_secs(20),
-        || async { broker.count() >= 1 },
+        || async { broker.count() >= 1 && outbox.published_ids().await == vec![first] },
     )
     .await;
+    assert_eq!(broker.count(), 1, "only the row below the position is sent");
     assert_eq!(
         outbox.pending("seq").await,
         1,
