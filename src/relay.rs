@@ -238,6 +238,7 @@ impl Relay {
         // Claim: the tenant's advisory lock and its oldest pending rows up to
         // the fence, as many as its share of the byte budget holds (kept
         // until settled).
+        let began = Instant::now();
         let (mut claim, mut budget) = match self.claim_within_budget(tenant, safe).await {
             Ok(Some(claimed)) => claimed,
             Ok(None) => return SweepOutcome::Skipped,
@@ -313,6 +314,7 @@ impl Relay {
             tenant,
             rows = report.confirmed(),
             batches,
+            claim_us = (started - began).as_micros(),
             publish_us = confirmed.as_micros(),
             settle_us = (started.elapsed() - confirmed).as_micros(),
             "sweep settled"
