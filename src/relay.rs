@@ -152,6 +152,10 @@ pub struct Relay {
     /// Tenants are ready and wait for a sweep: a sweep goes on to a next
     /// batch only while none does (set by the scheduler).
     tenants_waiting: AtomicBool,
+    /// Shutdown has begun: a running sweep takes no further batch, so that
+    /// it settles what it sent within the grace period rather than go on
+    /// with its claim and be abandoned (its confirmed rows sent again).
+    stopping: AtomicBool,
     /// Milliseconds since `started` at the scheduler's last turn; read by `/livez`.
     heartbeat_ms: AtomicU64,
     started: Instant,
@@ -178,6 +182,7 @@ impl Relay {
             metrics,
             lag: LagTracker::new(),
             tenants_waiting: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
             heartbeat_ms: AtomicU64::new(0),
             started: Instant::now(),
         }
@@ -212,8 +217,15 @@ impl Relay {
         self.tenants_waiting.store(waiting, Ordering::Relaxed);
     }
 
-    fn tenants_waiting(&self) -> bool {
-        self.tenants_waiting.load(Ordering::Relaxed)
+    /// Shutdown has begun: running sweeps take no further batch.
+    pub fn stop_chaining(&self) {
+        self.stopping.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a sweep may go on to a next batch in its transaction: no
+    /// other tenant waits for a sweep, and the relay is not stopping.
+    fn may_chain(&self) -> bool {
+        !self.tenants_waiting.load(Ordering::Relaxed) && !self.stopping.load(Ordering::Relaxed)
     }
 
     /// Records that the relay's main loop is turning (see `/livez`).
@@ -327,7 +339,8 @@ impl Relay {
     }
 
     /// Appends the batch read ahead to the claim, if there is one to go on
-    /// with and no other tenant waits for a sweep; the budget it holds.
+    /// with, no other tenant waits for a sweep and the relay is not
+    /// stopping; the budget it holds.
     async fn append_ahead(
         &self,
         claim: &mut Claim,
@@ -336,7 +349,7 @@ impl Relay {
         let Some(mut reserved) = reserved else {
             return Ok(None);
         };
-        if self.tenants_waiting() || !claim.append_ahead().await? {
+        if !self.may_chain() || !claim.append_ahead().await? {
             return Ok(None);
         }
         reserved.keep(claim.cost());
@@ -416,12 +429,13 @@ impl Relay {
     }
 
     /// Reads the next batch ahead when the claim's last is full and may be
-    /// followed in the same transaction: no tenant waits, the claim holds
-    /// fewer than [`CHAINED_BATCHES`], and the byte budget has a share free
+    /// followed in the same transaction: no tenant waits, the relay is not
+    /// stopping, the claim holds fewer than [`CHAINED_BATCHES`], and the
+    /// byte budget has a share free
     /// now (taken without waiting, and never ahead of a sweep that waits).
     fn read_ahead(&self, claim: &Claim, batches: usize) -> Option<Reservation> {
         let full = claim.batch().len() == self.config.batch_size && !claim.cut_by_budget();
-        if !full || batches >= CHAINED_BATCHES || self.tenants_waiting() {
+        if !full || batches >= CHAINED_BATCHES || !self.may_chain() {
             return None;
         }
         let reserved = self.budget.try_reserve(self.budget_share)?;

@@ -124,9 +124,11 @@ impl Scheduler {
         self.relay.metrics.set_backoff(&name, delay);
     }
 
-    /// Lets running sweeps finish within the grace period, then abandons them
+    /// Lets running sweeps finish within the grace period, each settling
+    /// the batches it has read without taking another, then abandons them
     /// (their transactions roll back; their rows stay pending).
     pub(super) async fn drain(mut self) {
+        self.relay.stop_chaining();
         if self.sweeps.is_empty() {
             return;
         }

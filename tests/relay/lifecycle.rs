@@ -11,8 +11,8 @@ use serde_json::json;
 
 use crate::proxy::{Mode, Proxy};
 use crate::support::{
-    Broker, Outbox, OwnedSchema, by_tenant, config, eventually, metric, relay_command, relay_env,
-    start_relay,
+    Broker, Outbox, OwnedSchema, by_tenant, config, eventually, http_get, metric, pg_client,
+    relay_command, relay_env, set_env, spawn_relay, start_relay,
 };
 
 /// Runs the binary with the test's table and exchange; exit code, stdout, stderr.
@@ -622,4 +622,87 @@ async fn shutdown_with_a_silent_broker_ends_within_the_grace_period() {
         ids.len() as i64,
         "nothing marked without a confirm"
     );
+}
+
+/// A sweep running when the relay is told to stop settles the batches it
+/// has read and takes no other, however long its tenant's backlog: here its
+/// confirms are held back (the broker's path pauses) until the relay is
+/// draining, and then at most its first batch and the one read ahead of it
+/// (2 × 50 rows) are marked, not the 16 batches a claim may chain. Every row
+/// marked reached the consumer; the rest stay pending for the next relay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweep_running_at_shutdown_takes_no_further_batch() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let proxy = Proxy::start("127.0.0.1:5672".parse().unwrap(), Mode::Pass).await;
+    let mut env = relay_env(&outbox, &broker, &["long"]);
+    set_env(
+        &mut env,
+        "OUTBOX_AMQP_URL",
+        format!("amqp://guest:guest@{}/%2f", proxy.addr),
+    );
+    set_env(&mut env, "OUTBOX_BATCH_SIZE", "50");
+    set_env(&mut env, "OUTBOX_MAX_IN_FLIGHT", "50");
+    let (mut relay, addr) = spawn_relay(&env).await;
+    eventually("the relay is ready", Duration::from_secs(20), || async {
+        http_get(addr, "/readyz").await.0 == 200
+    })
+    .await;
+    // One row first, so that the publishing channel is open.
+    outbox.insert_many("long", 1).await;
+    eventually(
+        "the first row is relayed",
+        Duration::from_secs(20),
+        || async { broker.count() == 1 && outbox.pending("long").await == 0 },
+    )
+    .await;
+    proxy.set(Mode::Hold);
+    let rows = outbox.insert_many("long", 2_000).await.len() as i64;
+    // The claim is taken once the tenant's lock is held: its first batch is
+    // read, and goes out into the stalled path.
+    let client = pg_client().await;
+    let held = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted \
+                AND objsubid = 2 \
+                AND classid::bigint = (hashtext($1)::bigint & 4294967295) \
+                AND objid::bigint = (hashtext('long')::bigint & 4294967295)";
+    let key = format!("{}.{}", outbox.schema, outbox.table);
+    eventually(
+        "the relay claims the tenant",
+        Duration::from_secs(20),
+        || {
+            let client = &client;
+            let key = &key;
+            async move {
+                let held: i64 = client.query_one(held, &[key]).await.expect("locks").get(0);
+                held == 1
+            }
+        },
+    )
+    .await;
+    relay.signal("TERM");
+    eventually("the relay drains", Duration::from_secs(20), || {
+        let draining = relay.output().contains("draining running sweeps");
+        async move { draining }
+    })
+    .await;
+    proxy.set(Mode::Pass);
+    assert_eq!(
+        relay.wait(Duration::from_secs(30)).await,
+        Some(0),
+        "{}",
+        relay.output()
+    );
+    let marked = rows - outbox.pending("long").await;
+    assert!(
+        (1..=100).contains(&marked),
+        "marked {marked} rows: the sweep settles what it sent, and only its first batch \
+         and the one read ahead; output:\n{}",
+        relay.output()
+    );
+    eventually(
+        "every row marked reached the consumer",
+        Duration::from_secs(10),
+        || async { broker.count() == 1 + marked as usize },
+    )
+    .await;
 }

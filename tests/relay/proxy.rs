@@ -21,6 +21,9 @@ pub enum Mode {
     Delay(Duration),
     /// Connections stay open; nothing is forwarded either way.
     Stall,
+    /// Connections stay open; bytes are held back either way, and forwarded
+    /// once the mode changes (a path that pauses, losing nothing).
+    Hold,
     /// New connections are reset at once (the upstream looks down).
     Refuse,
     /// Like `Stall`, and a side that closes is not closed on the other
@@ -149,6 +152,12 @@ async fn pump(
             Mode::Pass => {}
             Mode::Delay(delay) => tokio::time::sleep(delay).await,
             Mode::Stall | Mode::Partition => continue,
+            Mode::Hold => {
+                let mut mode = shared.mode.subscribe();
+                if mode.wait_for(|mode| *mode != Mode::Hold).await.is_err() {
+                    return;
+                }
+            }
             Mode::Refuse => return,
             Mode::PartitionOn(bytes) => {
                 if buffer[..n]
