@@ -38,11 +38,30 @@ pub fn allowed(metadata: &Metadata<'_>) -> bool {
     !payload_bearing || *metadata.level() == Level::ERROR
 }
 
+/// The directives added to the `log` filter `spec`: the AMQP client's own
+/// events are off unless the filter names its target. The relay says what
+/// befalls the broker connection in its own words (a lost connection is one
+/// WARN with its reason and the reconnect); lapin would add its own ERROR
+/// lines, a debug dump of the closing frame among them, for every reconnect
+/// the relay rides through. `lapin=error` in the filter brings them back.
+fn library_directives(spec: &str) -> Vec<String> {
+    PAYLOAD_BEARING_TARGETS
+        .iter()
+        .filter(|target| !spec.contains(*target))
+        .map(|target| format!("{target}=off"))
+        .collect()
+}
+
 /// Installs the global subscriber. A second call (tests) is a no-op.
-pub fn init(format: LogFormat, filter: &str) {
-    let filter = EnvFilter::builder()
-        .parse(filter)
+pub fn init(format: LogFormat, spec: &str) {
+    let mut filter = EnvFilter::builder()
+        .parse(spec)
         .unwrap_or_else(|_| EnvFilter::new("info"));
+    for directive in library_directives(spec) {
+        if let Ok(directive) = directive.parse() {
+            filter = filter.add_directive(directive);
+        }
+    }
     let json = match format {
         LogFormat::Json => true,
         LogFormat::Text => false,
@@ -108,5 +127,20 @@ where
             Some(rest) => write!(writer, "{{{ids},{rest}"),
             None => writer.write_str(&line),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_amqp_clients_events_are_off_unless_the_filter_names_them() {
+        assert_eq!(
+            library_directives("info"),
+            ["lapin=off", "amq_protocol=off"]
+        );
+        assert_eq!(library_directives("info,lapin=error"), ["amq_protocol=off"]);
+        assert!(library_directives("warn,lapin=error,amq_protocol=error").is_empty());
     }
 }

@@ -11,8 +11,8 @@ use serde_json::json;
 
 use crate::proxy::{Mode, Proxy};
 use crate::support::{
-    Broker, Outbox, OwnedSchema, by_tenant, config, eventually, http_get, metric, pg_client,
-    relay_command, relay_env, set_env, spawn_relay, start_relay,
+    Broker, Outbox, OwnedSchema, by_tenant, config, eventually, http_get, lines_at, metric,
+    pg_client, relay_command, relay_env, set_env, spawn_relay, start_relay,
 };
 
 /// Runs the binary with the test's table and exchange; exit code, stdout, stderr.
@@ -705,4 +705,52 @@ async fn a_sweep_running_at_shutdown_takes_no_further_batch() {
         || async { broker.count() == 1 + marked as usize },
     )
     .await;
+}
+
+/// A broker connection lost and regained is told once, in the relay's own
+/// words: one WARN with the reason, one INFO on reconnecting, and no line
+/// of the AMQP client's (lapin would add ERROR lines of its own, a debug
+/// dump of the frame among them, for a loss the relay rides through).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_broker_connection_is_told_once_in_the_relays_words() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let proxy = Proxy::start("127.0.0.1:5672".parse().unwrap(), Mode::Pass).await;
+    let mut env = relay_env(&outbox, &broker, &["a"]);
+    set_env(
+        &mut env,
+        "OUTBOX_AMQP_URL",
+        format!("amqp://guest:guest@{}/%2f", proxy.addr),
+    );
+    let (mut relay, _) = spawn_relay(&env).await;
+    outbox.insert_many("a", 1).await;
+    eventually(
+        "the first row is relayed",
+        Duration::from_secs(20),
+        || async { broker.count() == 1 && outbox.pending("a").await == 0 },
+    )
+    .await;
+    proxy.reset();
+    eventually("the relay reconnects", Duration::from_secs(30), || {
+        let connected = relay.output().matches("connected to the broker").count();
+        async move { connected == 2 }
+    })
+    .await;
+    outbox.insert_many("a", 1).await;
+    eventually(
+        "the next row is relayed",
+        Duration::from_secs(20),
+        || async { broker.count() == 2 && outbox.pending("a").await == 0 },
+    )
+    .await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait(Duration::from_secs(30)).await, Some(0));
+    let output = relay.output();
+    assert_eq!(lines_at(&output, "ERROR"), Vec::<&str>::new(), "{output}");
+    let warnings = lines_at(&output, "WARN");
+    assert_eq!(warnings.len(), 1, "{output}");
+    assert!(
+        warnings[0].contains("broker connection lost; reconnecting"),
+        "{output}"
+    );
 }
