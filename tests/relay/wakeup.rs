@@ -364,8 +364,12 @@ async fn replicas_split_the_tenants(wakeup: Wakeup) {
     let three = sweeps_with(3, wakeup).await;
     eprintln!("{wakeup:?}: 1 replica {alone:?}; 3 replicas {three:?}");
     assert_eq!(three.published, 300.0);
+    // Every replica sweeping every tenant would skip about two claims in
+    // three. An owner that falls two polls behind (a loaded machine) has its
+    // tenant taken by an idle successor by design, and the two may meet:
+    // a few skips, bounded well below that.
     assert!(
-        three.skipped <= three.published / 20.0,
+        three.skipped <= three.published / 8.0,
         "3 replicas skipped {} claims for {} rows",
         three.skipped,
         three.published
