@@ -117,8 +117,9 @@ pub enum SweepFailure {
     /// next sweep, which its back-off holds off.
     #[error(
         "{} confirmed row(s) from row {} stayed pending: the table kept the mark from \
-         setting published_at (a BEFORE UPDATE trigger that returns NULL, or a row-level \
-         security policy that hides the rows from the relay's role); they go out again \
+         setting published_at (a BEFORE UPDATE trigger that returns NULL or keeps \
+         published_at NULL, or a row-level security policy that hides the rows from the \
+         relay's role); they go out again \
          at the tenant's next sweep",
         .0.rows, .0.first
     )]

@@ -27,9 +27,9 @@ pub struct Settled {
 }
 
 /// Confirmed rows still pending after the commit that marked them: the table
-/// kept the marks from taking (a `BEFORE UPDATE` trigger that returns NULL,
-/// a row-level security policy that hides them from the relay's role), so
-/// they would go out again at every sweep.
+/// kept the marks from taking (a `BEFORE UPDATE` trigger that returns NULL
+/// or keeps `published_at` NULL, a row-level security policy that hides them
+/// from the relay's role), so they would go out again at every sweep.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KeptPending {
     pub rows: i64,
@@ -167,7 +167,7 @@ impl Store {
         let conn = self.connection().await?;
         let result = deadline(
             "marking confirmed rows again",
-            update_ids(&conn, &self.statements().mark_published, ids),
+            mark_ids(&conn, self.statements(), false, ids),
         )
         .await;
         if result.is_err() {

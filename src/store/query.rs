@@ -69,19 +69,24 @@ pub(super) async fn update_ids(client: &Object, sql: &str, ids: &[i64]) -> Resul
 }
 
 /// Marks `ids` published in a claim's transaction: by the mark the claim
-/// `prepared` (see `Statements::prepare`), or by `mark_published.sql`; no
-/// round trip for no ids.
+/// `prepared` (see `Statements::prepare`), or by `mark_published.sql`; the
+/// rows it left published (see `mark_published.sql`). No round trip for no
+/// ids.
 pub(super) async fn mark_ids(
     client: &Object,
     statements: &Statements,
     prepared: bool,
     ids: &[i64],
 ) -> Result<u64, StoreError> {
-    if !prepared {
-        return update_ids(client, &statements.mark_published, ids).await;
-    }
     if ids.is_empty() {
         return Ok(0);
     }
-    Ok(client.execute_typed(&execute_mark(ids), &[]).await?)
+    let row = if prepared {
+        client.query_typed_one(&execute_mark(ids), &[]).await?
+    } else {
+        client
+            .query_typed_one(&statements.mark_published, &[(&ids, Type::INT8_ARRAY)])
+            .await?
+    };
+    Ok(u64::try_from(row.try_get::<_, i64>(0)?).unwrap_or(0))
 }

@@ -118,12 +118,13 @@ async fn message_id_is_the_rendered_template() {
     relay.stop().await;
 }
 
-/// A `BEFORE UPDATE` trigger that returns NULL for one tenant's rows keeps
-/// the relay's marks from taking: the broker confirms the rows, the commit
-/// succeeds, and the rows stay pending. The relay says so in an ERROR naming
-/// the tenant and the cause, and backs the tenant off rather than sending
-/// its batch again at every poll; the other tenant is not held up. Once the
-/// trigger is gone, the rows are marked.
+/// A `BEFORE UPDATE` trigger that returns NULL for one tenant's rows, and
+/// one that returns OLD for another's (the update then counts the row, with
+/// `published_at` still NULL), keep the relay's marks from taking: the broker
+/// confirms the rows, the commit succeeds, and the rows stay pending. The
+/// relay says so in an ERROR naming the tenant and the cause, and backs the
+/// tenant off rather than sending its batch again at every poll; the other
+/// tenant is not held up. Once the trigger is gone, the rows are marked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn marks_the_table_keeps_from_taking_are_reported_and_backed_off() {
     let outbox = Outbox::create().await;
@@ -134,36 +135,48 @@ async fn marks_the_table_keeps_from_taking_are_reported_and_backed_off() {
             "CREATE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS $$
              BEGIN
                  IF NEW.tenant_id = 'kept' THEN RETURN NULL; END IF;
+                 IF NEW.tenant_id = 'old' THEN RETURN OLD; END IF;
                  RETURN NEW;
              END $$;
              CREATE TRIGGER keep_pending BEFORE UPDATE ON {{outbox}}
                  FOR EACH ROW EXECUTE FUNCTION {function}()"
         ))
         .await;
-    let kept = outbox.insert_many("kept", 5).await;
+    let kept = [
+        ("kept", outbox.insert_many("kept", 5).await),
+        ("old", outbox.insert_many("old", 5).await),
+    ];
     let other = outbox.insert_many("other", 5).await;
-    let mut env = relay_env(&outbox, &broker, &["kept", "other"]);
+    let mut env = relay_env(&outbox, &broker, &["kept", "old", "other"]);
     set_env(&mut env, "OUTBOX_MAX_BACKOFF_MS", "2000");
     let (mut process, addr) = spawn_relay(&env).await;
 
-    eventually(
-        "the marks kept from taking are reported",
-        Duration::from_secs(20),
-        || {
-            let output = process.output();
-            async move { !lines_at(&output, "ERROR").is_empty() }
-        },
-    )
-    .await;
-    let output = process.output();
-    let said = lines_at(&output, "ERROR")[0];
-    assert!(
-        said.contains("\"tenant\":\"kept\"")
-            && said.contains(&format!("\"row\":{}", kept[0]))
-            && said.contains("stayed pending")
-            && said.contains("BEFORE UPDATE trigger"),
-        "{said}"
-    );
+    for (tenant, ids) in &kept {
+        let named = format!("\"tenant\":\"{tenant}\"");
+        eventually(
+            "the marks kept from taking are reported",
+            Duration::from_secs(20),
+            || {
+                let output = process.output();
+                let said = lines_at(&output, "ERROR")
+                    .iter()
+                    .any(|line| line.contains(&named));
+                async move { said }
+            },
+        )
+        .await;
+        let output = process.output();
+        let said = lines_at(&output, "ERROR")
+            .into_iter()
+            .find(|line| line.contains(&named))
+            .expect("said");
+        assert!(
+            said.contains(&format!("\"row\":{}", ids[0]))
+                && said.contains("stayed pending")
+                && said.contains("BEFORE UPDATE trigger"),
+            "{said}"
+        );
+    }
     eventually(
         "the other tenant is published",
         Duration::from_secs(20),
@@ -171,9 +184,17 @@ async fn marks_the_table_keeps_from_taking_are_reported_and_backed_off() {
     )
     .await;
     let metrics = http_get(addr, "/metrics").await.1;
-    let backoff = metric(&metrics, "outbox_tenant_backoff_seconds{tenant=\"kept\"}");
-    assert!(backoff.is_some_and(|b| b > 0.0), "backed off: {metrics}");
-    assert_eq!(outbox.pending("kept").await, kept.len() as i64);
+    for (tenant, ids) in &kept {
+        let backoff = metric(
+            &metrics,
+            &format!("outbox_tenant_backoff_seconds{{tenant=\"{tenant}\"}}"),
+        );
+        assert!(
+            backoff.is_some_and(|b| b > 0.0),
+            "{tenant} backed off: {metrics}"
+        );
+        assert_eq!(outbox.pending(tenant).await, ids.len() as i64);
+    }
 
     outbox
         .execute("DROP TRIGGER keep_pending ON {outbox}")
@@ -181,7 +202,7 @@ async fn marks_the_table_keeps_from_taking_are_reported_and_backed_off() {
     eventually(
         "the rows are marked once the trigger is gone",
         Duration::from_secs(20),
-        || async { outbox.pending("kept").await == 0 },
+        || async { outbox.pending_of(&["kept", "old"]).await == 0 },
     )
     .await;
     process.signal("TERM");
@@ -195,9 +216,11 @@ async fn marks_the_table_keeps_from_taking_are_reported_and_backed_off() {
             .collect()
     };
     assert_eq!(of("other"), other, "the other tenant's rows once, in order");
-    let sent_kept = of("kept");
-    assert!(
-        sent_kept.chunks(kept.len()).all(|run| run == kept),
-        "the kept tenant's rows, whole and in order each time: {sent_kept:?}"
-    );
+    for (tenant, ids) in &kept {
+        let sent = of(tenant);
+        assert!(
+            sent.chunks(ids.len()).all(|run| run == ids.as_slice()),
+            "{tenant}'s rows, whole and in order each time: {sent:?}"
+        );
+    }
 }
