@@ -11,7 +11,7 @@ use serde_json::json;
 
 use crate::proxy::{Mode, Proxy};
 use crate::support::{
-    Broker, Outbox, OwnedSchema, by_tenant, config, eventually, http_get, lines_at, metric,
+    Broker, Outbox, OwnedSchema, RelayProcess, by_tenant, config, eventually, lines_at, metric,
     pg_client, relay_command, relay_env, set_env, spawn_relay, start_relay,
 };
 
@@ -632,28 +632,14 @@ async fn shutdown_with_a_silent_broker_ends_within_the_grace_period() {
 /// marked reached the consumer; the rest stay pending for the next relay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sweep_running_at_shutdown_takes_no_further_batch() {
-    let outbox = Outbox::create().await;
-    let broker = Broker::create(&["#"]).await;
-    let proxy = Proxy::start("127.0.0.1:5672".parse().unwrap(), Mode::Pass).await;
-    let mut env = relay_env(&outbox, &broker, &["long"]);
-    set_env(
-        &mut env,
-        "OUTBOX_AMQP_URL",
-        format!("amqp://guest:guest@{}/%2f", proxy.addr),
-    );
-    set_env(&mut env, "OUTBOX_BATCH_SIZE", "50");
-    set_env(&mut env, "OUTBOX_MAX_IN_FLIGHT", "50");
-    let (mut relay, addr) = spawn_relay(&env).await;
-    eventually("the relay is ready", Duration::from_secs(20), || async {
-        http_get(addr, "/readyz").await.0 == 200
-    })
-    .await;
-    // One row first, so that the publishing channel is open.
-    outbox.insert_many("long", 1).await;
-    eventually(
-        "the first row is relayed",
-        Duration::from_secs(20),
-        || async { broker.count() == 1 && outbox.pending("long").await == 0 },
+    let Proxied {
+        outbox,
+        broker,
+        proxy,
+        mut relay,
+    } = relay_through_a_proxy(
+        "long",
+        &[("OUTBOX_BATCH_SIZE", "50"), ("OUTBOX_MAX_IN_FLIGHT", "50")],
     )
     .await;
     proxy.set(Mode::Hold);
@@ -713,23 +699,12 @@ async fn a_sweep_running_at_shutdown_takes_no_further_batch() {
 /// dump of the frame among them, for a loss the relay rides through).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_broker_connection_is_told_once_in_the_relays_words() {
-    let outbox = Outbox::create().await;
-    let broker = Broker::create(&["#"]).await;
-    let proxy = Proxy::start("127.0.0.1:5672".parse().unwrap(), Mode::Pass).await;
-    let mut env = relay_env(&outbox, &broker, &["a"]);
-    set_env(
-        &mut env,
-        "OUTBOX_AMQP_URL",
-        format!("amqp://guest:guest@{}/%2f", proxy.addr),
-    );
-    let (mut relay, _) = spawn_relay(&env).await;
-    outbox.insert_many("a", 1).await;
-    eventually(
-        "the first row is relayed",
-        Duration::from_secs(20),
-        || async { broker.count() == 1 && outbox.pending("a").await == 0 },
-    )
-    .await;
+    let Proxied {
+        outbox,
+        broker,
+        proxy,
+        mut relay,
+    } = relay_through_a_proxy("a", &[]).await;
     proxy.reset();
     eventually("the relay reconnects", Duration::from_secs(30), || {
         let connected = relay.output().matches("connected to the broker").count();
@@ -753,4 +728,43 @@ async fn a_lost_broker_connection_is_told_once_in_the_relays_words() {
         warnings[0].contains("broker connection lost; reconnecting"),
         "{output}"
     );
+}
+
+/// A relay binary of tenant `tenant` (with `env` besides the test's own)
+/// whose broker connection goes through a proxy, once it has relayed a first
+/// row: its publishing channel is open.
+struct Proxied {
+    outbox: Outbox,
+    broker: Broker,
+    proxy: Proxy,
+    relay: RelayProcess,
+}
+
+async fn relay_through_a_proxy(tenant: &str, env: &[(&str, &str)]) -> Proxied {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let proxy = Proxy::start("127.0.0.1:5672".parse().unwrap(), Mode::Pass).await;
+    let mut vars = relay_env(&outbox, &broker, &[tenant]);
+    set_env(
+        &mut vars,
+        "OUTBOX_AMQP_URL",
+        format!("amqp://guest:guest@{}/%2f", proxy.addr),
+    );
+    for (key, value) in env {
+        set_env(&mut vars, key, *value);
+    }
+    let (relay, _) = spawn_relay(&vars).await;
+    outbox.insert_many(tenant, 1).await;
+    eventually(
+        "the first row is relayed",
+        Duration::from_secs(20),
+        || async { broker.count() == 1 && outbox.pending(tenant).await == 0 },
+    )
+    .await;
+    Proxied {
+        outbox,
+        broker,
+        proxy,
+        relay,
+    }
 }
