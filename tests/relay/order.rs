@@ -973,17 +973,6 @@ async fn a_sequence_behind_an_id_it_gave_is_said_with_the_fix() {
 /// below `given`, an id it had already given.
 async fn said(relay: &RelayProcess, given: i64, times: usize) {
     let said = format!(", below id {given} that it had already given");
-    eventually(
-        "the relay says the sequence is behind",
-        Duration::from_secs(30),
-        || {
-            let output = relay.output();
-            let lines = lines_at(&output, "WARN")
-                .into_iter()
-                .filter(|line| line.contains(&said))
-                .count();
-            async move { lines == times }
-        },
-    )
-    .await
+    relay.until_said("WARN", &said, times).await;
+    assert_eq!(relay.said("WARN", &said), times, "{}", relay.output());
 }

@@ -153,18 +153,7 @@ async fn marks_the_table_keeps_from_taking_are_reported_and_backed_off() {
 
     for (tenant, ids) in &kept {
         let named = format!("\"tenant\":\"{tenant}\"");
-        eventually(
-            "the marks kept from taking are reported",
-            Duration::from_secs(20),
-            || {
-                let output = process.output();
-                let said = lines_at(&output, "ERROR")
-                    .iter()
-                    .any(|line| line.contains(&named));
-                async move { said }
-            },
-        )
-        .await;
+        process.until_said("ERROR", &named, 1).await;
         let output = process.output();
         let said = lines_at(&output, "ERROR")
             .into_iter()

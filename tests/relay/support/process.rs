@@ -132,6 +132,25 @@ impl RelayProcess {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// How many of its log lines at `level` contain `text`.
+    pub fn said(&self, level: &str, text: &str) -> usize {
+        lines_at(&self.output(), level)
+            .into_iter()
+            .filter(|line| line.contains(text))
+            .count()
+    }
+
+    /// Waits until at least `times` of its log lines at `level` contain
+    /// `text`.
+    pub async fn until_said(&self, level: &str, text: &str, times: usize) {
+        let what = format!("{times} line(s) at {level} saying {text}");
+        eventually(&what, Duration::from_secs(30), || {
+            let said = self.said(level, text);
+            async move { said >= times }
+        })
+        .await
+    }
+
     pub fn signal(&self, signal: &str) {
         let status = Command::new("kill")
             .arg(format!("-{signal}"))
