@@ -178,14 +178,22 @@ fn report(tenant: &str, outcome: &SweepOutcome) {
             id,
             published,
             refusal,
-        }) => tracing::warn!(
-            tenant,
-            row = id,
-            published,
-            reason = refusal.reason.as_str(),
-            error = %refusal.detail,
-            "sweep failed: row refused"
-        ),
+        }) => {
+            // A lost or silent connection is no row's doing: not blamed.
+            let said = if outcome.is_outage() {
+                "the broker connection failed or went silent with this row in flight; it goes again"
+            } else {
+                "row refused"
+            };
+            tracing::warn!(
+                tenant,
+                row = id,
+                published,
+                reason = refusal.reason.as_str(),
+                error = %refusal.detail,
+                "sweep failed: {said}"
+            )
+        }
         SweepOutcome::Failed(failure @ SweepFailure::KeptPending(kept)) => tracing::error!(
             tenant,
             rows = kept.rows,

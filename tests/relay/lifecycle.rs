@@ -646,25 +646,7 @@ async fn a_sweep_running_at_shutdown_takes_no_further_batch() {
     let rows = outbox.insert_many("long", 2_000).await.len() as i64;
     // The claim is taken once the tenant's lock is held: its first batch is
     // read, and goes out into the stalled path.
-    let client = pg_client().await;
-    let held = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted \
-                AND objsubid = 2 \
-                AND classid::bigint = (hashtext($1)::bigint & 4294967295) \
-                AND objid::bigint = (hashtext('long')::bigint & 4294967295)";
-    let key = format!("{}.{}", outbox.schema, outbox.table);
-    eventually(
-        "the relay claims the tenant",
-        Duration::from_secs(20),
-        || {
-            let client = &client;
-            let key = &key;
-            async move {
-                let held: i64 = client.query_one(held, &[key]).await.expect("locks").get(0);
-                held == 1
-            }
-        },
-    )
-    .await;
+    until_claimed(&outbox, "long").await;
     relay.signal("TERM");
     eventually("the relay drains", Duration::from_secs(20), || {
         let draining = relay.output().contains("draining running sweeps");
@@ -696,7 +678,9 @@ async fn a_sweep_running_at_shutdown_takes_no_further_batch() {
 /// A broker connection lost and regained is told once, in the relay's own
 /// words: one WARN with the reason, one INFO on reconnecting, and no line
 /// of the AMQP client's (lapin would add ERROR lines of its own, a debug
-/// dump of the frame among them, for a loss the relay rides through).
+/// dump of the frame among them, for a loss the relay rides through). Lost
+/// with a sweep in flight, the sweep's WARN names the connection, not a
+/// refused row.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_broker_connection_is_told_once_in_the_relays_words() {
     let Proxied {
@@ -706,11 +690,7 @@ async fn a_lost_broker_connection_is_told_once_in_the_relays_words() {
         mut relay,
     } = relay_through_a_proxy("a", &[]).await;
     proxy.reset();
-    eventually("the relay reconnects", Duration::from_secs(30), || {
-        let connected = relay.output().matches("connected to the broker").count();
-        async move { connected == 2 }
-    })
-    .await;
+    relay.until_said("INFO", "connected to the broker", 2).await;
     outbox.insert_many("a", 1).await;
     eventually(
         "the next row is relayed",
@@ -718,8 +698,6 @@ async fn a_lost_broker_connection_is_told_once_in_the_relays_words() {
         || async { broker.count() == 2 && outbox.pending("a").await == 0 },
     )
     .await;
-    relay.signal("TERM");
-    assert_eq!(relay.wait(Duration::from_secs(30)).await, Some(0));
     let output = relay.output();
     assert_eq!(lines_at(&output, "ERROR"), Vec::<&str>::new(), "{output}");
     let warnings = lines_at(&output, "WARN");
@@ -728,6 +706,58 @@ async fn a_lost_broker_connection_is_told_once_in_the_relays_words() {
         warnings[0].contains("broker connection lost; reconnecting"),
         "{output}"
     );
+
+    // Lost again with a sweep in flight: the sweep's failure is said to be
+    // the connection's, and its rows go again.
+    proxy.set(Mode::Hold);
+    let ids = outbox.insert_many("a", 10).await;
+    until_claimed(&outbox, "a").await;
+    proxy.reset();
+    proxy.set(Mode::Pass);
+    eventually("the rows go again", Duration::from_secs(30), || async {
+        outbox.pending("a").await == 0 && broker.count() >= 2 + ids.len()
+    })
+    .await;
+    relay.signal("TERM");
+    assert_eq!(relay.wait(Duration::from_secs(30)).await, Some(0));
+    let output = relay.output();
+    assert_eq!(lines_at(&output, "ERROR"), Vec::<&str>::new(), "{output}");
+    assert_eq!(relay.said("WARN", "broker connection lost"), 2, "{output}");
+    assert_eq!(
+        relay.said(
+            "WARN",
+            "sweep failed: the broker connection failed or went silent with this row in flight"
+        ),
+        1,
+        "{output}"
+    );
+    assert_eq!(relay.said("WARN", "row refused"), 0, "{output}");
+}
+
+/// Waits until a relay holds `tenant`'s claim (its advisory lock).
+async fn until_claimed(outbox: &Outbox, tenant: &str) {
+    let client = pg_client().await;
+    let held = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted \
+                AND objsubid = 2 \
+                AND classid::bigint = (hashtext($1)::bigint & 4294967295) \
+                AND objid::bigint = (hashtext($2)::bigint & 4294967295)";
+    let key = format!("{}.{}", outbox.schema, outbox.table);
+    eventually(
+        "the relay claims the tenant",
+        Duration::from_secs(20),
+        || {
+            let (client, key) = (&client, &key);
+            async move {
+                let held: i64 = client
+                    .query_one(held, &[key, &tenant])
+                    .await
+                    .expect("locks")
+                    .get(0);
+                held == 1
+            }
+        },
+    )
+    .await;
 }
 
 /// A relay binary of tenant `tenant` (with `env` besides the test's own)
