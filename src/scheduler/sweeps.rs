@@ -181,7 +181,7 @@ fn report(tenant: &str, outcome: &SweepOutcome) {
         }) => {
             // A lost or silent connection is no row's doing: not blamed.
             let said = if outcome.is_outage() {
-                "the broker connection failed or went silent with this row in flight; it goes again"
+                "the channel to the broker closed or went silent with this row in flight; it goes again"
             } else {
                 "row refused"
             };

@@ -726,7 +726,7 @@ async fn a_lost_broker_connection_is_told_once_in_the_relays_words() {
     assert_eq!(
         relay.said(
             "WARN",
-            "sweep failed: the broker connection failed or went silent with this row in flight"
+            "sweep failed: the channel to the broker closed or went silent with this row in flight"
         ),
         1,
         "{output}"
