@@ -16,6 +16,7 @@
 //! the connection targets a URL becomes in `target`.
 
 mod dsn;
+pub(crate) mod file;
 mod load;
 mod read;
 mod target;

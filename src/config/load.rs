@@ -9,6 +9,7 @@ use figment::providers::{Format, Toml};
 use figment::value::{Dict, Map, Value};
 use figment::{Figment, Metadata, Profile, Provider};
 
+use super::file::{CONFIG_FILE_LIMIT, read_bounded};
 use super::read::{Fallback, Render, Rule};
 use super::{CONFIG_FILE_VAR, Config, ConfigError, ENV_FALLBACKS, ENV_PREFIX, KEYS, Origin};
 use crate::printable::cut;
@@ -184,7 +185,8 @@ fn read_file(path: &Path) -> Result<Dict, ConfigError> {
         path: path.to_path_buf(),
         reason: cut(&reason, REASON_WIDTH),
     };
-    let text = std::fs::read_to_string(path).map_err(|e| file_error(e.to_string()))?;
+    let bytes = read_bounded(path, CONFIG_FILE_LIMIT).map_err(file_error)?;
+    let text = String::from_utf8(bytes).map_err(|_| file_error("not UTF-8 text".into()))?;
     // The TOML parser's own message quotes the offending line, which may be
     // the one with a password: only its line number and kind are shown.
     if let Err(error) = text.parse::<toml::Table>() {

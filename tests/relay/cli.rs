@@ -108,6 +108,23 @@ fn each_configuration_error_exits_2_naming_key_and_source_before_connecting() {
             vec!["--config", empty_tenants.to_str().unwrap()],
             "tenants = [] (config file",
         ),
+        // Endless: refused past 64 MiB, not read until memory runs out.
+        (
+            vec![],
+            vec!["--config", "/dev/zero"],
+            "config file /dev/zero: larger than 64 MiB",
+        ),
+        (
+            vec![
+                ("OUTBOX_TENANTS", "a"),
+                (
+                    "OUTBOX_DATABASE_URL",
+                    "postgres://u@127.0.0.1/d?sslmode=verify-full&sslrootcert=/dev/zero",
+                ),
+            ],
+            vec![],
+            "sslrootcert /dev/zero: larger than 16 MiB",
+        ),
         (
             vec![],
             vec!["--config", dup_tenants.to_str().unwrap()],

@@ -16,6 +16,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
 use rustls::server::ParsedCertificate;
 use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
 
+use crate::config::file::{PEM_FILE_LIMIT, read_bounded};
+
 /// What the server's certificate must prove.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Check {
@@ -112,7 +114,7 @@ pub fn client_config(files: &Files<'_>, check: Check) -> Result<ClientConfig, St
 }
 
 fn read(param: &str, path: &str) -> Result<Vec<u8>, String> {
-    std::fs::read(Path::new(path)).map_err(|e| format!("{param} {path}: {e}"))
+    read_bounded(Path::new(path), PEM_FILE_LIMIT).map_err(|e| format!("{param} {path}: {e}"))
 }
 
 /// The certificates of a PEM file; a file without one is an error.
