@@ -20,6 +20,9 @@ use tls::Check;
 /// unless the URL sets `connect_timeout`.
 pub const DATABASE_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The sessions' `application_name` when the URL gives none.
+const APPLICATION_NAME: &str = "outbox-relay";
+
 /// Heartbeat asked of the broker unless the URL sets one: a silent peer is
 /// noticed within two intervals even when nothing is being published.
 const DEFAULT_HEARTBEAT_SECS: u16 = 10;
@@ -103,7 +106,7 @@ fn with_relay_defaults(config: &mut tokio_postgres::Config, tls: bool) {
         config.connect_timeout(DATABASE_CONNECT_TIMEOUT);
     }
     if config.get_application_name().is_none() {
-        config.application_name("outbox-relay");
+        config.application_name(APPLICATION_NAME);
     }
     config
         .keepalives(true)
@@ -540,6 +543,21 @@ fn shown_database(config: &tokio_postgres::Config, tls: &[(&str, &str)], url_for
     if config.get_load_balance_hosts() == LoadBalanceHosts::Random {
         shown.push(("load_balance_hosts", "random".into()));
     }
+    // The session's own settings where they are not the relay's defaults
+    // (none is secret).
+    if let Some(timeout) = config.get_connect_timeout()
+        && *timeout != DATABASE_CONNECT_TIMEOUT
+    {
+        shown.push(("connect_timeout", timeout.as_secs().to_string()));
+    }
+    if let Some(name) = config.get_application_name()
+        && name != APPLICATION_NAME
+    {
+        shown.push(("application_name", name.to_string()));
+    }
+    if let Some(options) = config.get_options() {
+        shown.push(("options", options.to_string()));
+    }
     shown.extend(tls.iter().map(|(k, v)| (*k, (*v).to_string())));
     let user = config.get_user().unwrap_or_default();
     let password = config.get_password().is_some();
@@ -551,7 +569,10 @@ fn shown_database(config: &tokio_postgres::Config, tls: &[(&str, &str)], url_for
             (false, false) => format!("{user}@"),
         };
         let mut url = format!("postgres://{userinfo}{}/{dbname}", hosts.join(","));
-        let query: Vec<String> = shown.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let query: Vec<String> = shown
+            .iter()
+            .map(|(k, v)| format!("{k}={}", url_encoded(v)))
+            .collect();
         if !query.is_empty() {
             url.push('?');
             url.push_str(&query.join("&"));
@@ -572,9 +593,35 @@ fn shown_database(config: &tokio_postgres::Config, tls: &[(&str, &str)], url_for
         if !dbname.is_empty() {
             pairs.push(format!("dbname={dbname}"));
         }
-        pairs.extend(shown.iter().map(|(k, v)| format!("{k}={v}")));
+        pairs.extend(shown.iter().map(|(k, v)| format!("{k}={}", pair_quoted(v))));
         pairs.join(" ")
     }
+}
+
+/// A query value as a URL carries it: every byte but the unreserved ones
+/// percent-encoded.
+fn url_encoded(value: &str) -> String {
+    value
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' | b'/' | b',' => {
+                char::from(b).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// A value as a key=value string carries it: quoted, with `'` and `\`
+/// escaped, when it is empty or holds a space, a quote or a backslash;
+/// control characters escaped (the output may reach a terminal).
+fn pair_quoted(value: &str) -> String {
+    let value = crate::printable::escape_controls(value);
+    if !value.is_empty() && !value.contains([' ', '\'', '\\']) {
+        return value;
+    }
+    let escaped = value.replace('\\', "\\\\").replace('\'', "\\'");
+    format!("'{escaped}'")
 }
 
 /// An AMQP target as printed, built from what was parsed (and its TLS
@@ -914,6 +961,28 @@ mod tests {
     }
 
     #[test]
+    fn the_sessions_own_settings_are_shown_as_given_in_either_form() {
+        let url: DatabaseTarget = "postgres://app:pa55@h1/db?connect_timeout=7\
+             &application_name=my%20app&options=-c%20statement_timeout%3D5000"
+            .parse()
+            .unwrap();
+        assert_eq!(
+            url.to_string(),
+            "postgres://app:***@h1:5432/db?connect_timeout=7&application_name=my%20app\
+             &options=-c%20statement_timeout%3D5000"
+        );
+        let pairs: DatabaseTarget = "host=h1 user=app password=pa55 dbname=db connect_timeout=7 \
+             application_name=it\\'s options='-c statement_timeout=5000'"
+            .parse()
+            .unwrap();
+        assert_eq!(
+            pairs.to_string(),
+            "host=h1 user=app password=*** dbname=db connect_timeout=7 \
+             application_name='it\\'s' options='-c statement_timeout=5000'"
+        );
+    }
+
+    #[test]
     fn several_hosts_are_each_tried_alone_and_shown_without_the_password() {
         let url: DatabaseTarget =
             "postgres://app:pa55@h1:5432,[::1]:5433/db?target_session_attrs=read-write&connect_timeout=2"
@@ -921,7 +990,7 @@ mod tests {
                 .unwrap();
         assert_eq!(
             url.to_string(),
-            "postgres://app:***@h1:5432,[::1]:5433/db?target_session_attrs=read-write"
+            "postgres://app:***@h1:5432,[::1]:5433/db?target_session_attrs=read-write&connect_timeout=2"
         );
         assert!(url.wants_writable());
         assert_eq!(url.connect_timeout(), Duration::from_secs(2));
