@@ -525,40 +525,7 @@ fn shown_database(config: &tokio_postgres::Config, tls: &[(&str, &str)], url_for
             }
         })
         .collect();
-    // Where to connect besides the hosts: none of it is secret.
-    let mut shown: Vec<(&str, String)> = Vec::new();
-    if !config.get_hosts().is_empty() && !config.get_hostaddrs().is_empty() {
-        let addrs: Vec<String> = config
-            .get_hostaddrs()
-            .iter()
-            .map(ToString::to_string)
-            .collect();
-        shown.push(("hostaddr", addrs.join(",")));
-    }
-    match config.get_target_session_attrs() {
-        TargetSessionAttrs::ReadWrite => shown.push(("target_session_attrs", "read-write".into())),
-        TargetSessionAttrs::ReadOnly => shown.push(("target_session_attrs", "read-only".into())),
-        _ => {}
-    }
-    if config.get_load_balance_hosts() == LoadBalanceHosts::Random {
-        shown.push(("load_balance_hosts", "random".into()));
-    }
-    // The session's own settings where they are not the relay's defaults
-    // (none is secret).
-    if let Some(timeout) = config.get_connect_timeout()
-        && *timeout != DATABASE_CONNECT_TIMEOUT
-    {
-        shown.push(("connect_timeout", timeout.as_secs().to_string()));
-    }
-    if let Some(name) = config.get_application_name()
-        && name != APPLICATION_NAME
-    {
-        shown.push(("application_name", name.to_string()));
-    }
-    if let Some(options) = config.get_options() {
-        shown.push(("options", options.to_string()));
-    }
-    shown.extend(tls.iter().map(|(k, v)| (*k, (*v).to_string())));
+    let shown = shown_parameters(config, tls);
     let user = config.get_user().unwrap_or_default();
     let password = config.get_password().is_some();
     let dbname = config.get_dbname().unwrap_or_default();
@@ -596,6 +563,47 @@ fn shown_database(config: &tokio_postgres::Config, tls: &[(&str, &str)], url_for
         pairs.extend(shown.iter().map(|(k, v)| format!("{k}={}", pair_quoted(v))));
         pairs.join(" ")
     }
+}
+
+/// The parameters a database target shows besides its hosts, user and
+/// database: where to connect, the session's own settings where they are not
+/// the relay's defaults, and the TLS parameters. None of it is secret.
+fn shown_parameters<'a>(
+    config: &tokio_postgres::Config,
+    tls: &[(&'a str, &str)],
+) -> Vec<(&'a str, String)> {
+    let mut shown: Vec<(&str, String)> = Vec::new();
+    if !config.get_hosts().is_empty() && !config.get_hostaddrs().is_empty() {
+        let addrs: Vec<String> = config
+            .get_hostaddrs()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        shown.push(("hostaddr", addrs.join(",")));
+    }
+    match config.get_target_session_attrs() {
+        TargetSessionAttrs::ReadWrite => shown.push(("target_session_attrs", "read-write".into())),
+        TargetSessionAttrs::ReadOnly => shown.push(("target_session_attrs", "read-only".into())),
+        _ => {}
+    }
+    if config.get_load_balance_hosts() == LoadBalanceHosts::Random {
+        shown.push(("load_balance_hosts", "random".into()));
+    }
+    if let Some(timeout) = config.get_connect_timeout()
+        && *timeout != DATABASE_CONNECT_TIMEOUT
+    {
+        shown.push(("connect_timeout", timeout.as_secs().to_string()));
+    }
+    if let Some(name) = config.get_application_name()
+        && name != APPLICATION_NAME
+    {
+        shown.push(("application_name", name.to_string()));
+    }
+    if let Some(options) = config.get_options() {
+        shown.push(("options", options.to_string()));
+    }
+    shown.extend(tls.iter().map(|(k, v)| (*k, (*v).to_string())));
+    shown
 }
 
 /// A query value as a URL carries it: every byte but the unreserved ones
