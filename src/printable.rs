@@ -39,6 +39,29 @@ pub fn cut(text: &str, width: usize) -> String {
     }
 }
 
+/// `text` in a column `width` characters wide (at least 1): every character
+/// that could break the line or drive a terminal (see [`escape_controls`])
+/// shown as a space, so the column keeps its width, and text past the width
+/// cut to `width - 1` characters and `…`.
+pub fn fit(text: &str, width: usize) -> String {
+    let one_line: String = text
+        .chars()
+        .map(|c| {
+            if c.is_control() || is_layout_control(c) {
+                ' '
+            } else {
+                c
+            }
+        })
+        .collect();
+    if one_line.chars().count() <= width {
+        return one_line;
+    }
+    let mut short: String = one_line.chars().take(width.saturating_sub(1)).collect();
+    short.push('…');
+    short
+}
+
 /// Characters that are not `Cc` controls but still move text about on a
 /// screen: the line and paragraph separators and the bidirectional
 /// embeddings, overrides and isolates.
@@ -76,6 +99,16 @@ mod tests {
     #[test]
     fn other_text_is_untouched() {
         assert_eq!(escape_controls("zoë → 東京 🚀"), "zoë → 東京 🚀");
+    }
+
+    #[test]
+    fn text_fit_to_a_column_keeps_its_width_and_drives_no_terminal() {
+        assert_eq!(fit("acme", 8), "acme");
+        assert_eq!(fit("a\nb\u{1b}[2Jc", 20), "a b [2Jc");
+        assert_eq!(fit("evil\u{202e}txt.exe", 20), "evil txt.exe");
+        assert_eq!(fit("abcdefghij", 5), "abcd…");
+        assert_eq!(fit("ééééé", 5), "ééééé");
+        assert_eq!(fit("abc", 1), "…");
     }
 
     #[test]

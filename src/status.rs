@@ -4,6 +4,7 @@
 
 use serde::Serialize;
 
+use crate::printable::fit;
 use crate::store::TenantStatus;
 
 /// The widest `last_error` shown in the table (JSON has it whole).
@@ -74,7 +75,7 @@ impl Report {
                 )
             };
             rows.push([
-                shorten(&s.tenant, tenant_width),
+                fit(&s.tenant, tenant_width),
                 s.pending.to_string(),
                 s.parked.to_string(),
                 lag,
@@ -82,7 +83,7 @@ impl Report {
                 s.attempts.map_or_else(|| "-".into(), |a| a.to_string()),
                 s.last_error
                     .as_deref()
-                    .map_or_else(|| "-".into(), |e| shorten(e, width)),
+                    .map_or_else(|| "-".into(), |e| fit(e, width)),
             ]);
         }
         let widths: Vec<usize> = (0..7)
@@ -128,19 +129,6 @@ fn human_ms(ms: i64) -> String {
         ms if ms < 3_600_000 => format!("{}m{:02}s", ms / 60_000, (ms % 60_000) / 1_000),
         ms => format!("{}h{:02}m", ms / 3_600_000, (ms % 3_600_000) / 60_000),
     }
-}
-
-fn shorten(text: &str, width: usize) -> String {
-    let one_line: String = text
-        .chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect();
-    if one_line.chars().count() <= width {
-        return one_line;
-    }
-    let mut short: String = one_line.chars().take(width - 1).collect();
-    short.push('…');
-    short
 }
 
 #[cfg(test)]
