@@ -432,8 +432,8 @@ impl Relay {
     /// Reads the next batch ahead when the claim's last is full and may be
     /// followed in the same transaction: no tenant waits, the relay is not
     /// stopping, the claim holds fewer than [`CHAINED_BATCHES`], and the
-    /// byte budget has a share free
-    /// now (taken without waiting, and never ahead of a sweep that waits).
+    /// byte budget has a share free now (taken without waiting, and never
+    /// ahead of a sweep that waits).
     fn read_ahead(&self, claim: &Claim, batches: usize) -> Option<Reservation> {
         let full = claim.batch().len() == self.config.batch_size && !claim.cut_by_budget();
         if !full || batches >= CHAINED_BATCHES || !self.may_chain() {

@@ -179,7 +179,8 @@ fn report(tenant: &str, outcome: &SweepOutcome) {
             published,
             refusal,
         }) => {
-            // A lost or silent connection is no row's doing: not blamed.
+            // A channel closed or silent under the row is an outage (see
+            // `SweepOutcome::is_outage`), not a refusal of the row.
             let said = if outcome.is_outage() {
                 "the channel to the broker closed or went silent with this row in flight; it goes again"
             } else {
