@@ -84,7 +84,9 @@ impl Store {
         budget: usize,
         safe: i64,
     ) -> Result<Option<Claim>, StoreError> {
-        let claimed = self.claim_on_writable(tenant, budget, safe).await;
+        let claimed = self
+            .with_sequence(|sequence| self.claim_on_writable(tenant, budget, safe, sequence))
+            .await;
         self.dropping_idle_if_read_only(claimed)
     }
 
@@ -95,8 +97,8 @@ impl Store {
         tenant: &str,
         budget: usize,
         safe: i64,
+        sequence: i64,
     ) -> Result<Option<Claim>, StoreError> {
-        let sequence = self.sequence().await?;
         let mut claim = Claim {
             conn: Some(Arc::new(self.connection().await?)),
             store: self.clone(),

@@ -91,11 +91,20 @@ impl StoreError {
         }
     }
 
+    /// Whether the server failed inside (SQLSTATE XX000), as it does when
+    /// a statement names a relation by an oid that is gone.
+    pub fn is_internal(&self) -> bool {
+        self.sqlstate() == Some(INTERNAL_ERROR)
+    }
+
     /// Whether the server turned out to take no writes.
     pub fn is_read_only(&self) -> bool {
         matches!(self, StoreError::ReadOnly) || self.sqlstate() == Some(READ_ONLY_SQL_TRANSACTION)
     }
 }
+
+/// SQLSTATE of a failure inside the server.
+const INTERNAL_ERROR: &str = "XX000";
 
 /// SQLSTATE of a write refused by a server that takes none.
 const READ_ONLY_SQL_TRANSACTION: &str = "25006";

@@ -93,11 +93,35 @@ impl Store {
         }
     }
 
+    /// Runs `read` with the id sequence's oid (see [`Store::sequence`]).
+    /// When the server no longer knows that oid (SQLSTATE XX000, "could not
+    /// open relation with OID": the table was dropped, or replaced, under
+    /// the relay), checks the sequence again and, if it finds another one,
+    /// runs `read` once more with it. With the table gone, the check fails
+    /// naming it, and that is the error.
+    pub(super) async fn with_sequence<T, Read>(
+        &self,
+        read: impl Fn(i64) -> Read,
+    ) -> Result<T, StoreError>
+    where
+        Read: Future<Output = Result<T, StoreError>>,
+    {
+        let sequence = self.sequence().await?;
+        match read(sequence).await {
+            Err(error) if error.is_internal() => match self.check_sequence().await? {
+                found if found != sequence => read(found).await,
+                _ => Err(error),
+            },
+            done => done,
+        }
+    }
+
     /// Checks the id sequence the fences read (see `store/sequence.sql`):
     /// `CACHE 1`, a positive increment, no cycle, and readable by this role.
-    /// Returns its oid, 0 when the table (or its id column's sequence) does
-    /// not exist, in which case no fence holds rows back; an unfit sequence
-    /// is [`StoreError::Sequence`], and nothing may be relayed in order.
+    /// Returns its oid, 0 when the id column draws from no sequence, in
+    /// which case no fence holds rows back; a missing table is the server's
+    /// error (SQLSTATE 42P01), naming it. An unfit sequence is
+    /// [`StoreError::Sequence`], and nothing may be relayed in order.
     ///
     /// It also notes where the sequence stands (see [`PositionSeen`]): a
     /// position below an id it had already given is said once, at WARN.
@@ -233,7 +257,19 @@ impl Store {
         since: i64,
         span: i64,
     ) -> Result<Watched, StoreError> {
-        let sequence = self.sequence().await?;
+        self.with_sequence(|sequence| self.watch_from(sequence, watched, moved, since, span))
+            .await
+    }
+
+    /// [`Store::watch`] with the sequence's oid.
+    async fn watch_from(
+        &self,
+        sequence: i64,
+        watched: i64,
+        moved: bool,
+        since: i64,
+        span: i64,
+    ) -> Result<Watched, StoreError> {
         if !moved {
             // Most reads find the sequence where it stood: the position
             // alone says so, and the server plans no read of the table.
@@ -281,7 +317,16 @@ impl Store {
     /// [`Store::writers`] (no read of `pg_locks`), but it never clears a
     /// tenant that always has some writer in flight.
     pub async fn writers_free(&self, tenants: &[&str]) -> Result<(i64, Vec<bool>), StoreError> {
-        let sequence = self.sequence().await?;
+        self.with_sequence(|sequence| self.writers_free_from(sequence, tenants))
+            .await
+    }
+
+    /// [`Store::writers_free`] with the sequence's oid.
+    async fn writers_free_from(
+        &self,
+        sequence: i64,
+        tenants: &[&str],
+    ) -> Result<(i64, Vec<bool>), StoreError> {
         if sequence == 0 {
             return Ok((i64::MAX, vec![true; tenants.len()]));
         }
@@ -312,7 +357,12 @@ impl Store {
     /// statement (see `store/writers.sql`). Once every transaction named for
     /// a tenant has ended, its ids up to the position are committed or gone.
     pub async fn writers(&self, tenants: &[&str]) -> Result<Writers, StoreError> {
-        let sequence = self.sequence().await?;
+        self.with_sequence(|sequence| self.writers_from(sequence, tenants))
+            .await
+    }
+
+    /// [`Store::writers`] with the sequence's oid.
+    async fn writers_from(&self, sequence: i64, tenants: &[&str]) -> Result<Writers, StoreError> {
         if sequence == 0 {
             return Ok(Writers {
                 position: i64::MAX,

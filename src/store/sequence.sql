@@ -4,8 +4,8 @@
 -- (with a cache, one draw shows the end of the session's cached range to every
 -- other session), a positive increment and no cycle. Beside them, whether this
 -- role may read the position, and the position (0 when no id is drawn since
--- it was created or restarted; NULL when not readable). No row: the table
--- does not exist (yet), or its id column draws from no sequence.
+-- it was created or restarted; NULL when not readable). No row: its id
+-- column draws from no sequence (a missing table fails, SQLSTATE 42P01).
 -- $1 = '"schema"."table"'. Once the table is known, the check also reads the
 -- table's highest id beside it (`Statements::sequence_highest`).
 SELECT s.seqrelid::regclass::text AS sequence,
