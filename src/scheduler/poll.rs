@@ -217,7 +217,7 @@ impl Scheduler {
         if self.poll_error.as_deref() != Some(text.as_str()) {
             tracing::error!(
                 error = %text,
-                "the poll failed: the database answered with an error; nothing is swept until a poll succeeds, retrying every poll interval"
+                "the poll failed: the database answered with an error; it finds no pending tenant until it succeeds, retrying every poll interval"
             );
             self.poll_error = Some(text);
         }
