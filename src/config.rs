@@ -73,7 +73,7 @@ keys! {
     /// PostgreSQL URL or key=value string [env: OUTBOX_DATABASE_URL, DATABASE_URL]
     database_url: DatabaseTarget ["URL"] = default_target::<DatabaseTarget>(DEFAULT_DATABASE_URL), parsed(),
         env "DATABASE_URL";
-    /// notify (LISTEN for new rows, the poll as the safety net) or poll
+    /// sequence (the default: the id sequence watched while rows flow), notify (LISTEN for new rows) or poll (the poll alone)
     wakeup: Wakeup ["MODE"] = Wakeup::Sequence, Parse(Wakeup::parse);
     /// PostgreSQL URL of the LISTEN connection (direct, not through PgBouncer in transaction mode; default: database_url)
     listen_database_url: DatabaseTarget ["URL"] = database_url.clone(), parsed();

@@ -38,7 +38,12 @@ use crate::template::{MessageId, RoutingKey};
 /// The relay's `app_id`.
 pub const APP_ID: &str = "outbox-relay";
 
-/// The headers the relay sets itself; a row's own headers never override them.
+/// The prefix of the relay's own headers: a row's headers of that name are
+/// left out, so that a row can neither override the relay's nor pass for
+/// one (`outbox-replay: true` marks a replay's messages alone).
+pub const RESERVED_PREFIX: &str = "outbox-";
+
+/// The headers the relay sets itself (all under [`RESERVED_PREFIX`]).
 pub const RESERVED_HEADERS: [&str; 5] = [
     "outbox-id",
     "outbox-tenant-id",
@@ -475,11 +480,22 @@ impl<'de> serde::de::Visitor<'de> for RowHeaders<'_> {
 
     fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
         while let Some(name) = map.next_key::<String>()? {
-            if RESERVED_HEADERS.contains(&name.as_str()) {
+            if name.starts_with(RESERVED_PREFIX) {
                 map.next_value::<serde::de::IgnoredAny>()?;
                 continue;
             }
             let value = map.next_value::<HeaderValue>()?;
+            if ROUTING_HEADERS.contains(&name.as_str()) && !matches!(value, HeaderValue::Null) {
+                return self.refuse(Refusal::new(
+                    FailureReason::Invalid,
+                    format!(
+                        "header {name:?} is reserved by RabbitMQ for sender-selected routing \
+                         (an array of queue names would send the message to them too; anything \
+                         else closes the channel): a row may not set it, whatever its value; \
+                         rename the header"
+                    ),
+                ));
+            }
             let amqp = match value {
                 HeaderValue::Null => continue,
                 HeaderValue::String(s) => AMQPValue::LongString(LongString::from(s.into_bytes())),
@@ -496,16 +512,6 @@ impl<'de> serde::de::Visitor<'de> for RowHeaders<'_> {
                     ));
                 }
             };
-            if ROUTING_HEADERS.contains(&name.as_str()) {
-                return self.refuse(Refusal::new(
-                    FailureReason::Invalid,
-                    format!(
-                        "header {name:?} is reserved by RabbitMQ for sender-selected routing \
-                         and must be an array of strings; the broker would refuse {}",
-                        value_kind(&amqp)
-                    ),
-                ));
-            }
             if name.len() > 255 {
                 return self.refuse(Refusal::new(
                     FailureReason::Invalid,
@@ -622,15 +628,6 @@ impl<'de> serde::de::Visitor<'de> for HeaderValueVisitor {
     fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<HeaderValue, A::Error> {
         while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
         Ok(HeaderValue::Other("an array"))
-    }
-}
-
-/// What kind of JSON value a header came from (for a refusal).
-fn value_kind(value: &AMQPValue) -> &'static str {
-    match value {
-        AMQPValue::Boolean(_) => "a boolean",
-        AMQPValue::LongString(_) => "a string",
-        _ => "a number",
     }
 }
 
@@ -854,6 +851,8 @@ mod tests {
                 "gone": null,
                 "esc": "a\"b\u{e9}",
                 "outbox-occurred-at": {"nested": [1, 2]},
+                "outbox-replay": true,
+                "outbox-anything": "x",
             })),
         );
         let m = message(&r).unwrap();
@@ -869,6 +868,16 @@ mod tests {
             header(&m, "outbox-occurred-at"),
             Some(&long_string("2026-11-30T08:15:01.25Z")),
             "a reserved name is skipped whatever its value"
+        );
+        assert_eq!(
+            header(&m, "outbox-replay"),
+            None,
+            "no row passes for a replay"
+        );
+        assert_eq!(
+            header(&m, "outbox-anything"),
+            None,
+            "the prefix is the relay's"
         );
         for (headers, found) in [
             (json!(null), "null"),
@@ -898,9 +907,14 @@ mod tests {
     }
 
     #[test]
-    fn routing_headers_rabbitmq_type_checks_are_refused_naming_only_the_header() {
+    fn routing_headers_are_refused_whatever_their_value_naming_only_the_header() {
         for name in ROUTING_HEADERS {
-            for value in [json!("secret-route"), json!(7), json!(true)] {
+            for value in [
+                json!("secret-route"),
+                json!(7),
+                json!(true),
+                json!(["secret-route"]),
+            ] {
                 let r = row(Some("x"), Some(json!({ name: value })));
                 let refusal = message(&r).unwrap_err();
                 assert_eq!(refusal.reason, FailureReason::Invalid, "{name}");

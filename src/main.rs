@@ -124,7 +124,13 @@ struct Options {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let mut cli = Cli::parse();
+    if let Some(Command::Tail { .. }) = cli.command {
+        // `tail --routing-key K` is a binding key, not the relay's template:
+        // clap gives it to the global flag of the same name too, which would
+        // check it as a template (`a{b}.#` is a fine binding key).
+        cli.flags.keys.routing_key = None;
+    }
     let (loaded, tracing_settings) = match load(&cli.flags) {
         Ok(loaded) => loaded,
         Err(error) => {
@@ -267,7 +273,7 @@ fn run_logged(
         && exporting.is_some()
     {
         tracing::info!(
-            endpoint = %outbox_relay::redact::redact_url(&export.endpoint),
+            endpoint = %outbox_relay::redact::redact_endpoint(&export.endpoint),
             sampler = %export.sampling,
             "exporting traces over OTLP/HTTP"
         );

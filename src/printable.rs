@@ -62,6 +62,23 @@ pub fn fit(text: &str, width: usize) -> String {
     short
 }
 
+/// `text` as a quoted string that reads the same in TOML and JSON, with
+/// every character [`escape_controls`] escapes written `\uXXXX` (all are
+/// in the Basic Multilingual Plane), so that printing it cannot break the
+/// line or reorder the terminal's text.
+pub fn quoted(text: &str) -> String {
+    let json = serde_json::to_string(text).unwrap_or_default();
+    let mut out = String::with_capacity(json.len());
+    for c in json.chars() {
+        if c.is_control() || is_layout_control(c) {
+            let _ = write!(out, "\\u{:04x}", u32::from(c));
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// Characters that are not `Cc` controls but still move text about on a
 /// screen: the line and paragraph separators and the bidirectional
 /// embeddings, overrides and isolates.
@@ -72,6 +89,15 @@ fn is_layout_control(c: char) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn quoted_text_escapes_what_could_reorder_or_break_the_line() {
+        assert_eq!(quoted("rtl\u{202e}abc"), r#""rtl\u202eabc""#);
+        assert_eq!(quoted("a\u{2028}b\u{85}c\nd"), r#""a\u2028b\u0085c\nd""#);
+        assert_eq!(quoted("q\"uote"), r#""q\"uote""#);
+        let back: String = serde_json::from_str(&quoted("x\u{202e}\u{85}y")).unwrap();
+        assert_eq!(back, "x\u{202e}\u{85}y", "the same text read back");
+    }
 
     #[test]
     fn quotes_and_backslashes_are_shown_as_written() {

@@ -62,7 +62,32 @@ fn redact_query(tail: &str) -> String {
     format!("{path}{query}")
 }
 
-/// `text` with the password of every URL in it masked (see [`redact_url`]).
+/// An HTTP endpoint as shown (the OTLP collector's): its password and every
+/// query value masked, as a collector's token may ride in the query. A value
+/// with no `scheme://` is not shown at all: which part of it is a password
+/// cannot be told (`user:secret@host:4318` reads as the scheme `user`).
+pub fn redact_endpoint(url: &str) -> String {
+    if !url.contains("://") {
+        return "(the value is not shown)".to_string();
+    }
+    let shown = redact_url(url);
+    let Some((base, query)) = shown.split_once('?') else {
+        return shown;
+    };
+    let query = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((key, _)) => format!("{key}={MASK}"),
+            None => pair.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("&");
+    format!("{base}?{query}")
+}
+
+/// `text` with every URL in it shown as [`redact_endpoint`] shows one:
+/// its password and query values masked (the exporter's errors name the
+/// collector's URL).
 pub fn redact_urls_in(text: &str) -> String {
     let mut redacted = String::with_capacity(text.len());
     let mut rest = text;
@@ -72,7 +97,7 @@ pub fn redact_urls_in(text: &str) -> String {
         let end = rest.find(is_url_boundary).unwrap_or(rest.len());
         let word = &rest[..end];
         if word.contains("://") {
-            redacted.push_str(&redact_url(word));
+            redacted.push_str(&redact_endpoint(word));
         } else {
             redacted.push_str(word);
         }
@@ -141,5 +166,21 @@ mod tests {
             "error sending request for url (http://otel:***@collector:4318/v1/traces): refused"
         );
         assert_eq!(redact_urls_in("timed out after 10s"), "timed out after 10s");
+        assert_eq!(
+            redact_urls_in("for url (http://collector:4318/v1/traces?token=s3cret&x)"),
+            "for url (http://collector:4318/v1/traces?token=***&x)"
+        );
+    }
+
+    #[test]
+    fn an_endpoint_shows_no_query_value_and_nothing_without_a_scheme() {
+        assert_eq!(
+            redact_endpoint("http://u:pw@collector:4318/x?token=t&flag"),
+            "http://u:***@collector:4318/x?token=***&flag"
+        );
+        assert_eq!(
+            redact_endpoint("u:pw@collector:4318"),
+            "(the value is not shown)"
+        );
     }
 }

@@ -35,6 +35,10 @@ pub enum TemplateError {
     Unclosed(usize),
     #[error("unmatched '}}' at byte {0}")]
     Unmatched(usize),
+    #[error(
+        "has no {{id}}: every row's message_id would be the same, and a consumer that deduplicates on it would keep only the first"
+    )]
+    NoId,
 }
 
 /// Splits `template` into text and the placeholders `field` knows; `known`
@@ -152,6 +156,12 @@ impl MessageIdTemplate {
             "table" => Some(IdField::Table),
             _ => None,
         })?;
+        if !parts
+            .iter()
+            .any(|part| matches!(part, Part::Field(IdField::Id)))
+        {
+            return Err(TemplateError::NoId);
+        }
         Ok(MessageIdTemplate {
             source: template.to_string(),
             parts,
@@ -351,6 +361,13 @@ mod tests {
             MessageIdTemplate::parse("id}"),
             Err(TemplateError::Unmatched(2))
         );
+        for no_id in ["", "constant", "{schema}.{table}"] {
+            assert_eq!(
+                MessageIdTemplate::parse(no_id),
+                Err(TemplateError::NoId),
+                "{no_id:?}"
+            );
+        }
         // 235 bytes of table name and 20 of the longest id fit; one more does not.
         let template = MessageIdTemplate::parse("{table}{id}").unwrap();
         assert!(template.bind("s", &"t".repeat(235)).is_ok());

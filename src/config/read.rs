@@ -260,7 +260,7 @@ pub trait Render {
 }
 
 fn quote(text: &str) -> String {
-    serde_json::to_string(text).unwrap_or_default()
+    crate::printable::quoted(text)
 }
 
 macro_rules! rendered_as_number {

@@ -185,12 +185,12 @@ impl Scheduler {
 
     /// Rows are pending for a tenant this relay does not relay: warned
     /// about once, for the first [`UNCONFIGURED_WARNINGS`] such tenants.
-    fn warn_unconfigured(&mut self, tenant: &String) {
+    fn warn_unconfigured(&mut self, tenant: &str) {
         if self.unconfigured.len() < UNCONFIGURED_WARNINGS
-            && self.unconfigured.insert(tenant.clone())
+            && self.unconfigured.insert(tenant.to_string())
         {
             tracing::warn!(
-                tenant = ?tenant,
+                tenant,
                 "rows are pending for a tenant this relay is not configured for; they stay pending until a relay lists it in `tenants`"
             );
         }

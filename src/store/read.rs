@@ -111,10 +111,14 @@ pub(super) fn decode(
         match row.try_get::<_, Option<String>>(index) {
             Ok(Some(value)) => value,
             Ok(None) => {
-                // Its length is the column after it.
-                let bytes: Option<i32> = row.try_get(index + 1).ok();
-                let bytes = bytes.map_or_else(|| "?".to_string(), |b| b.to_string());
-                defects.push(format!("{what} is {bytes} bytes, over {limit}"));
+                // Left out for its length (the column after it), or NULL in
+                // a table whose column allows it (the contract's does not).
+                match row.try_get::<_, Option<i32>>(index + 1).ok().flatten() {
+                    Some(bytes) => defects.push(format!("{what} is {bytes} bytes, over {limit}")),
+                    None => defects.push(format!(
+                        "{what} is NULL: the column allows it, the contract's table does not"
+                    )),
+                }
                 String::new()
             }
             Err(error) => {

@@ -50,8 +50,9 @@ struct SequenceFound {
 /// What the checks of the id sequence have seen of its position.
 #[derive(Debug, Default)]
 pub(super) struct PositionSeen {
-    /// The position at the last check.
-    last: Option<i64>,
+    /// The highest id it had given, as the checks saw it: a position, or
+    /// the table's highest id.
+    given: Option<i64>,
     /// Whether the last check found it behind an id it had already given.
     behind: bool,
 }
@@ -70,11 +71,13 @@ pub(super) enum PositionChange {
 impl PositionSeen {
     /// Notes a check's `position`, beside the table's `highest` id when it
     /// was read: the change to say, if any. A sequence only ascends, so a
-    /// position below the last one, or below an id of the table, was set
-    /// back (or the id was not drawn from it).
+    /// position below one seen before, or below an id of the table, was set
+    /// back (or the id was not drawn from it); it has caught up once it
+    /// stands at or past the highest id it had given, whatever the table
+    /// holds now (a truncated table's ids were sent all the same).
     pub(super) fn note(&mut self, position: i64, highest: Option<i64>) -> Option<PositionChange> {
-        let given = self.last.into_iter().chain(highest).max();
-        self.last = Some(position);
+        let given = self.given.into_iter().chain(highest).max();
+        self.given = given.max(Some(position));
         let behind = given.is_some_and(|given| position < given);
         match (std::mem::replace(&mut self.behind, behind), behind) {
             (false, true) => given.map(|given| PositionChange::Behind { given }),
@@ -234,7 +237,7 @@ impl Store {
                  RESTART IDENTITY, or rows inserted with explicit ids): the rows it numbers next \
                  reuse ids already sent as message_id, which consumers that deduplicate on it may \
                  drop, and pending rows with ids above {position} wait until it passes them (commit \
-                 order); fix: SELECT setval('{name}', (SELECT max(id) FROM {table}))"
+                 order); fix: SELECT setval('{name}', GREATEST({given}, (SELECT max(id) FROM                  {table})))"
             ),
             Some(PositionChange::Caught) => tracing::info!(
                 sequence = name,
@@ -444,5 +447,23 @@ mod tests {
             Some(PositionChange::Behind { given: 1_000 }),
             "a row inserted with an id the sequence never gave"
         );
+    }
+
+    #[test]
+    fn it_has_caught_up_only_past_the_highest_id_it_had_given() {
+        let mut seen = PositionSeen::default();
+        seen.note(602, Some(602));
+        assert_eq!(
+            seen.note(20, Some(20)),
+            Some(PositionChange::Behind { given: 602 }),
+            "TRUNCATE … RESTART IDENTITY, rows written again"
+        );
+        assert_eq!(
+            seen.note(380, Some(380)),
+            None,
+            "still below 602, though past the table's ids"
+        );
+        assert_eq!(seen.note(601, Some(601)), None);
+        assert_eq!(seen.note(602, Some(602)), Some(PositionChange::Caught));
     }
 }

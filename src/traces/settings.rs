@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use percent_encoding::percent_decode_str;
 
-use crate::redact::redact_url;
+use crate::redact::redact_endpoint;
 
 pub const ENDPOINT: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
 pub const TRACES_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT";
@@ -176,11 +176,7 @@ impl Settings {
         }
         let endpoint = match (get(TRACES_ENDPOINT), get(ENDPOINT)) {
             (Some(url), _) => Some((check_endpoint(TRACES_ENDPOINT, &url)?, TRACES_ENDPOINT)),
-            (None, Some(base)) => {
-                check_endpoint(ENDPOINT, &base)?;
-                let url = format!("{}/{TRACES_PATH}", base.trim_end_matches('/'));
-                Some((url, ENDPOINT))
-            }
+            (None, Some(base)) => Some((traces_url(&check_endpoint(ENDPOINT, &base)?), ENDPOINT)),
             (None, None) => None,
         };
         let (headers, timeout) = request_settings(&get)?;
@@ -242,7 +238,7 @@ impl Settings {
                     "# traces: on, OTLP http/protobuf to {}  # {}\n\
                      #   headers: {}; timeout {} ms; service.name {:?}; sampler {}; \
                      batch every {} ms, queue of {} spans\n",
-                    redact_url(&export.endpoint),
+                    redact_endpoint(&export.endpoint),
                     export.endpoint_from,
                     if names.is_empty() {
                         "none".to_string()
@@ -296,14 +292,24 @@ fn check_endpoint(variable: &'static str, url: &str) -> Result<String, SettingsE
             variable,
             format!(
                 "{}: https is not supported; export over http to a collector beside the relay",
-                redact_url(url)
+                redact_endpoint(url)
             ),
         )),
         _ => Err(error(
             variable,
-            format!("{}: expected http://host:port", redact_url(url)),
+            format!("{}: expected http://host:port", redact_endpoint(url)),
         )),
     }
+}
+
+/// The generic endpoint `base` (checked) with the traces path added to its
+/// path, before any query: `http://h:4318/x?token=t` sends to
+/// `http://h:4318/x/v1/traces?token=t`.
+fn traces_url(base: &str) -> String {
+    let mut url = url::Url::parse(base).expect("a checked endpoint parses");
+    let path = format!("{}/{TRACES_PATH}", url.path().trim_end_matches('/'));
+    url.set_path(&path);
+    url.to_string()
 }
 
 fn positive(variable: &'static str, text: &str) -> Result<u64, SettingsError> {
@@ -471,6 +477,11 @@ mod tests {
         ]);
         assert_eq!(export.endpoint, "http://other:9000/custom");
         assert_eq!(export.endpoint_from, TRACES_ENDPOINT);
+        assert_eq!(
+            on(&[(ENDPOINT, "http://collector:4318/base?token=t&x")]).endpoint,
+            "http://collector:4318/base/v1/traces?token=t&x",
+            "the path goes before the query"
+        );
     }
 
     #[test]
@@ -637,7 +648,21 @@ mod tests {
         let export = on(&[(ENDPOINT, "http://user:hunter2@collector:4318")]);
         let shown = Settings::On(export).render();
         assert!(!shown.contains("hunter2"), "{shown}");
-        let error = read(&[(ENDPOINT, "https://user:hunter2@collector:4318")]).expect_err("https");
-        assert!(!error.to_string().contains("hunter2"), "{error}");
+        for url in [
+            "https://user:hunter2@collector:4318",
+            "user:hunter2@collector:4318",
+            "ftp://user:hunter2@collector",
+        ] {
+            let error = read(&[(ENDPOINT, url)]).expect_err("refused");
+            assert!(!error.to_string().contains("hunter2"), "{error}");
+        }
+    }
+
+    #[test]
+    fn a_query_in_the_endpoint_is_shown_without_its_values() {
+        let export = on(&[(ENDPOINT, "http://collector:4318/x?token=hunter2")]);
+        let shown = Settings::On(export).render();
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("/x/v1/traces?token=***"), "{shown}");
     }
 }

@@ -192,6 +192,11 @@ fn each_configuration_error_exits_2_naming_key_and_source_before_connecting() {
         ),
         (
             vec![("OUTBOX_TENANTS", "a")],
+            vec!["--message-id", "{schema}.{table}"],
+            "message_id = {schema}.{table} (command-line flag --message-id): has no {id}",
+        ),
+        (
+            vec![("OUTBOX_TENANTS", "a")],
             vec!["--message-id", "{schema}.{id"],
             "message_id = {schema}.{id (command-line flag --message-id): unclosed '{'",
         ),
@@ -585,7 +590,8 @@ fn database_errors_carry_the_servers_message_and_sqlstate() {
 
 /// `tail` shows a newcomer what the relay publishes, with no queue of their
 /// own: start the relay, `tail` beside it, insert a row, see it. Given
-/// several broker endpoints, `tail` takes the first that answers.
+/// several broker endpoints, `tail` takes the first that answers. Its
+/// `--routing-key` is a binding key, never checked as a template.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tail_prints_each_message_the_relay_publishes() {
     let outbox = Outbox::create().await;
@@ -613,14 +619,32 @@ async fn tail_prints_each_message_the_relay_publishes() {
         "shop.order.*",
     ]);
     let mut json = RelayProcess::spawn(json);
+    // A binding key is not the relay's routing_key template: braces are
+    // fine in it.
+    let mut braces = relay_command();
+    braces
+        .envs(env)
+        .args(["tail", "--routing-key", "{not-a-placeholder}.#"]);
+    let mut braces = RelayProcess::spawn(braces);
     eventually(
-        "both tails are listening",
+        "the tails are listening",
         Duration::from_secs(20),
         || async {
-            lines.output().contains("Ctrl-C to stop") && json.output().contains("Ctrl-C to stop")
+            [&lines, &json, &braces]
+                .iter()
+                .all(|tail| tail.output().contains("Ctrl-C to stop"))
         },
     )
     .await;
+    assert!(
+        braces
+            .output()
+            .contains("routing key \"{not-a-placeholder}.#\""),
+        "{}",
+        braces.output()
+    );
+    braces.signal("TERM");
+    assert_eq!(braces.wait(Duration::from_secs(10)).await, Some(0));
 
     let relay = start_relay(config(&outbox, &broker, &["shop"])).await;
     let id = outbox

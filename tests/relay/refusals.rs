@@ -316,17 +316,34 @@ async fn a_too_large_payload_and_malformed_headers_are_refused_without_being_sen
             Some(json!(["not", "an", "object"])),
         )
         .await;
+    // A NULL the contract's table would not take, in a table that does.
+    outbox
+        .execute("ALTER TABLE {outbox} ALTER COLUMN subject_id DROP NOT NULL")
+        .await;
+    let null: i64 = outbox
+        .client
+        .query_one(
+            &format!(
+                "INSERT INTO {} (tenant_id, kind, subject_id, payload) \
+                 VALUES ('null', 'thing.changed', NULL, '{{}}') RETURNING id",
+                outbox.qualified()
+            ),
+            &[],
+        )
+        .await
+        .expect("a row with no subject_id")
+        .get(0);
     let fine = outbox.insert_many("fine", 20).await;
-    let mut config = config(&outbox, &broker, &["big", "bad", "fine"]);
+    let mut config = config(&outbox, &broker, &["big", "bad", "null", "fine"]);
     config.max_payload_bytes = 100;
     config.max_backoff_ms = 300;
     let relay = start_relay(config).await;
 
-    eventually(
-        "both refusals recorded",
-        Duration::from_secs(20),
-        || async { outbox.row(big).await.attempts >= 1 && outbox.row(bad).await.attempts >= 1 },
-    )
+    eventually("the refusals recorded", Duration::from_secs(20), || async {
+        outbox.row(big).await.attempts >= 1
+            && outbox.row(bad).await.attempts >= 1
+            && outbox.row(null).await.attempts >= 1
+    })
     .await;
     eventually(
         "the healthy tenant drains",
@@ -347,6 +364,10 @@ async fn a_too_large_payload_and_malformed_headers_are_refused_without_being_sen
     assert_eq!(
         bad_row.last_error.as_deref(),
         Some("invalid: headers must be a JSON object, found an array")
+    );
+    assert_eq!(
+        outbox.row(null).await.last_error.as_deref(),
+        Some("invalid: subject_id is NULL: the column allows it, the contract's table does not")
     );
     assert!(
         broker.received().iter().all(|r| r.tenant() == "fine"),
@@ -381,18 +402,24 @@ async fn a_too_large_payload_and_malformed_headers_are_refused_without_being_sen
             "UPDATE {{outbox}} SET headers = '{{\"k\": \"v\"}}' WHERE id = {bad}"
         ))
         .await;
+    outbox
+        .execute(&format!(
+            "UPDATE {{outbox}} SET subject_id = 's-2' WHERE id = {null}"
+        ))
+        .await;
     eventually("repaired rows drain", Duration::from_secs(20), || async {
         outbox.all_pending().await == 0
     })
     .await;
     eventually("all received", Duration::from_secs(10), || async {
-        broker.count() == 23
+        broker.count() == 24
     })
     .await;
     relay.stop().await;
     let received = by_tenant(&broker.received());
     assert_eq!(received["big"], vec![big, big_next]);
     assert_eq!(received["bad"], vec![bad]);
+    assert_eq!(received["null"], vec![null]);
     assert_eq!(received["fine"], fine);
 }
 
