@@ -280,7 +280,11 @@ fn connection(
     activity: Arc<Activity>,
 ) -> impl Future<Output = ()> + Send + 'static {
     let app = TowerToHyperService::new(app.clone());
-    let service = service_fn(move |request| {
+    let service = service_fn(move |mut request: hyper::Request<hyper::body::Incoming>| {
+        // The peer, for `/metrics`' turns (see `scrape::Renders`).
+        request
+            .extensions_mut()
+            .insert(axum::extract::ConnectInfo(peer));
         let busy = activity.busy();
         let answer = app.call(request);
         async move {

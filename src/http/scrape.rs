@@ -1,10 +1,13 @@
 //! `/metrics`: scrapes take turns, and share renders, which run off the
 //! sweeping thread.
 
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
-use axum::extract::State;
+use axum::Extension;
+use axum::extract::{ConnectInfo, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
@@ -18,6 +21,7 @@ use crate::metrics::Metrics;
 /// does): 10,000 tenants' series are megabytes as text.
 pub(super) async fn metrics(
     State(Endpoints { relay, renders, .. }): State<Endpoints>,
+    peer: Option<Extension<ConnectInfo<SocketAddr>>>,
     headers: axum::http::HeaderMap,
 ) -> Response {
     let content_type = (
@@ -25,7 +29,12 @@ pub(super) async fn metrics(
         "text/plain; version=0.0.4; charset=utf-8",
     );
     let gzip = accepts_gzip(&headers);
-    renders.turn().await;
+    // Served in process (a test's router), there is no peer: all one.
+    let peer = peer.map_or(
+        IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        |Extension(ConnectInfo(peer))| peer.ip(),
+    );
+    renders.turn(peer).await;
     let Some(body) = renders.body(&relay.metrics, gzip).await else {
         return (
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -71,25 +80,35 @@ type Render = (
 pub(super) struct Renders {
     text: Mutex<Option<Render>>,
     gzip: Mutex<Option<Render>>,
-    /// When the next scrape may be answered (see [`SCRAPE_EVERY`]).
-    next: Mutex<Option<tokio::time::Instant>>,
+    /// When each peer's next scrape may be answered (see [`SCRAPE_EVERY`]).
+    next: Mutex<HashMap<IpAddr, tokio::time::Instant>>,
 }
 
-/// Scrapes are answered at most this often, however many scrapers ask: one
-/// that comes sooner waits its turn. A body served from a render that was
-/// shared costs little, but scrapers back to back would ask for thousands a
-/// second, and on a small machine that CPU is taken from delivery. A
-/// Prometheus scrapes every few seconds and never notices.
+/// Each peer address's scrapes are answered at most this often: one that
+/// comes sooner waits its turn. A body served from a render that was shared
+/// costs little, but scrapers back to back would ask for thousands a second,
+/// and on a small machine that CPU is taken from delivery. A Prometheus
+/// scrapes every few seconds and never notices. The turns are per peer, so
+/// that a client flooding `/metrics` (hundreds of connections asking
+/// without pause) queues behind itself, never in front of another address's
+/// scrape.
 pub const SCRAPE_EVERY: Duration = Duration::from_millis(50);
 
+/// Past this many peers remembered, those whose turn has come are
+/// forgotten (the connection cap bounds the rest).
+const PEERS_KEPT: usize = 64;
+
 impl Renders {
-    /// Waits for this scrape's turn (see [`SCRAPE_EVERY`]).
-    async fn turn(&self) {
+    /// Waits for this scrape's turn among `peer`'s (see [`SCRAPE_EVERY`]).
+    async fn turn(&self, peer: IpAddr) {
         let at = {
             let mut next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
             let now = tokio::time::Instant::now();
-            let at = next.map_or(now, |next| next.max(now));
-            *next = Some(at + SCRAPE_EVERY);
+            if next.len() >= PEERS_KEPT {
+                next.retain(|_, at| *at > now);
+            }
+            let at = next.get(&peer).map_or(now, |next| (*next).max(now));
+            next.insert(peer, at + SCRAPE_EVERY);
             at
         };
         tokio::time::sleep_until(at).await;
@@ -197,8 +216,9 @@ mod tests {
         let renders = Renders::default();
         let started = tokio::time::Instant::now();
         let mut answered = Vec::new();
+        let one = IpAddr::from([10, 0, 0, 1]);
         for _ in 0..4 {
-            renders.turn().await;
+            renders.turn(one).await;
             answered.push(started.elapsed());
         }
         // A timer never fires early: the k-th turn comes k × SCRAPE_EVERY
@@ -209,8 +229,25 @@ mod tests {
         // After a pause the next one has its turn at once: it waits for no
         // sleep (the turn is now or already past).
         tokio::time::sleep(SCRAPE_EVERY * 2).await;
-        let next = *renders.next.lock().unwrap();
+        let next = renders.next.lock().unwrap().get(&one).copied();
         assert!(next.is_some_and(|next| next <= tokio::time::Instant::now()));
+    }
+
+    #[tokio::test]
+    async fn a_peer_flooding_scrapes_queues_behind_itself_only() {
+        let renders = Renders::default();
+        let (flood, other) = (IpAddr::from([10, 0, 0, 1]), IpAddr::from([10, 0, 0, 2]));
+        // 100 turns taken by one peer: its next is 5 s away.
+        for _ in 0..100 {
+            let _ = renders.turn(flood).now_or_never();
+        }
+        let started = tokio::time::Instant::now();
+        renders.turn(other).await;
+        assert!(
+            started.elapsed() < SCRAPE_EVERY,
+            "another peer's scrape has its turn at once: {:?}",
+            started.elapsed()
+        );
     }
 
     #[test]

@@ -362,6 +362,44 @@ async fn probes_answer_within_1s_while_the_cap_is_held_by_scrapes_never_read() {
     );
 }
 
+/// A scrape from another address (a Prometheus) is answered at once while
+/// a local client keeps thousands of scrapes queued: the turns are per
+/// address, so the flood waits behind itself. (With one queue for all, the
+/// scrape waited behind the 5,000 queued here, 50 ms each, and got 503 at
+/// the 20 s request deadline.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scrape_from_another_address_is_not_queued_behind_a_flood_of_scrapes() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let env = relay_env(&outbox, &broker, &["a"]);
+    let (mut relay, addr) = spawn_ready(&env).await;
+    let held = scrapers_that_never_read(addr, 100, 50).await;
+    for round in 0..3 {
+        // From 127.0.0.2, another address of the loopback.
+        let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+        socket
+            .bind("127.0.0.2:0".parse().unwrap())
+            .expect("bind to another loopback address");
+        let mut stream = socket.connect(addr).await.expect("connect");
+        stream
+            .write_all(b"GET /metrics HTTP/1.0\r\nHost: relay\r\n\r\n")
+            .await
+            .expect("send the scrape");
+        let mut answer = Vec::new();
+        let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut answer));
+        assert!(
+            read.await.is_ok(),
+            "scrape {round} from another address not answered within 5 s beside the flood"
+        );
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.0 200"), "{answer}");
+        assert!(answer.contains("outbox_database_up"), "{answer}");
+    }
+    drop(held);
+    relay.signal("TERM");
+    assert_eq!(relay.wait(Duration::from_secs(20)).await, Some(0));
+}
+
 /// `GET /metrics` as Prometheus asks for it (`Accept-Encoding: gzip`):
 /// whether the answer was gzip, and its text.
 async fn scrape_gzip(addr: SocketAddr) -> (bool, String) {
