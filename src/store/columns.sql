@@ -1,4 +1,5 @@
--- The outbox table's columns that the relay reads, each with its type as a
+-- The outbox table's columns that the relay reads (and those it only writes,
+-- whose presence alone is checked), each with its type as a
 -- read's row description shows it: a domain resolved to its base type (the
 -- reads select these columns through a CASE, which resolves it, through
 -- domains over domains too), but for `id`, which they select as it is.
@@ -17,7 +18,8 @@ WITH RECURSIVE r AS (
     FROM r
     JOIN pg_attribute a
       ON a.attrelid = r.relid
-     AND a.attname IN ('id', 'tenant_id', 'kind', 'subject_id', 'payload', 'headers', 'occurred_at')
+     AND a.attname IN ('id', 'tenant_id', 'kind', 'subject_id', 'payload', 'headers', 'occurred_at',
+                       'published_at', 'attempts', 'last_error')
      AND a.attnum > 0 AND NOT a.attisdropped
     JOIN pg_type t ON t.oid = a.atttypid
     UNION ALL

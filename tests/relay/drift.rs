@@ -10,6 +10,7 @@
 use std::time::Duration;
 
 use lapin::types::AMQPValue;
+use serde_json::json;
 
 use crate::support::{
     Broker, Outbox, config, eventually, http_get, lines_at, pg_client, relay_command, relay_env,
@@ -264,6 +265,59 @@ async fn a_column_dropped_under_the_relay_is_named_once_and_reading_resumes_when
     )
     .await;
     assert_eq!(lines_at(&process.output(), "ERROR").len(), 1);
+    process.signal("TERM");
+    assert_eq!(process.wait(Duration::from_secs(20)).await, Some(0));
+}
+
+/// A column the relay only writes, dropped under it (`last_error`): the
+/// refusal it cannot record fails its sweep, and the poll's check that
+/// follows names the column once, with the `ADD COLUMN` that fixes it (no
+/// refusal was recorded, and without the check none ever would be, nor the
+/// row parked). Once the column is back, the row is blamed as it should be.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_written_column_dropped_under_the_relay_is_named_once() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let mut env = relay_env(&outbox, &broker, &["w"]);
+    set_env(&mut env, "OUTBOX_MAX_BACKOFF_MS", "200");
+    let (mut process, _addr) = spawn_relay(&env).await;
+    outbox
+        .execute("ALTER TABLE {outbox} DROP COLUMN last_error")
+        .await;
+    let bad = outbox
+        .insert("w", "thing.changed", "s", Some("{}"), Some(json!([1])))
+        .await;
+    eventually(
+        "the missing column is named",
+        Duration::from_secs(20),
+        || {
+            let errors = process.said("ERROR", "has no column");
+            async move { errors == 1 }
+        },
+    )
+    .await;
+    let output = process.output();
+    assert!(
+        lines_at(&output, "ERROR")[0]
+            .contains("has no column \\\"last_error\\\"; the relay writes it. Fix: ALTER TABLE"),
+        "{output}"
+    );
+    assert!(output.contains("ADD COLUMN last_error text"), "{output}");
+    outbox
+        .execute("ALTER TABLE {outbox} ADD COLUMN last_error text")
+        .await;
+    eventually(
+        "the refusal is recorded once the column is back",
+        Duration::from_secs(20),
+        || async { outbox.row(bad).await.attempts >= 1 },
+    )
+    .await;
+    assert_eq!(
+        outbox.row(bad).await.last_error.as_deref(),
+        Some("invalid: headers must be a JSON object, found an array")
+    );
+    assert_eq!(process.said("ERROR", "has no column"), 1, "said once");
+    assert_eq!(broker.count(), 0);
     process.signal("TERM");
     assert_eq!(process.wait(Duration::from_secs(20)).await, Some(0));
 }
