@@ -1,9 +1,11 @@
 //! The operator's statements on parked and published rows: `requeue`,
 //! `discard`, and the pages `replay` reads.
 
+use deadpool_postgres::Object;
 use tokio_postgres::types::{ToSql, Type};
 
-use super::read::{FIELD_LIMIT, decode, in_column_order};
+use super::query::deadline;
+use super::read::{FIELD_LIMIT, RETAINED_READ_MAX, decode, in_column_order, read_bytes};
 use super::statements::Statements;
 use super::{Store, StoreError, columns};
 use crate::domain::OutboxRow;
@@ -103,20 +105,28 @@ impl Store {
             (&to, Type::INT8),
         ];
         let table = &self.statements().table;
-        let rows = self
-            .query_all(
-                "the replay read",
-                &self.statements().replay_batch,
-                &params,
-                |row| match columns::check_row(table, &row) {
-                    Ok(()) => {
-                        debug_assert!(in_column_order(&row), "replay_batch.sql's columns");
-                        decode(row, max_payload_bytes).map(Ok)
-                    }
-                    Err(drift) => Ok(Err(drift)),
-                },
-            )
-            .await?;
-        Ok(rows.into_iter().collect::<Result<_, _>>()?)
+        let conn = self.connection().await?;
+        let work = async {
+            let rows = conn
+                .query_typed(&self.statements().replay_batch, &params)
+                .await?;
+            let mut page = Vec::with_capacity(rows.len());
+            for row in rows {
+                columns::check_row(table, &row)?;
+                debug_assert!(in_column_order(&row), "replay_batch.sql's columns");
+                page.push(decode(row, max_payload_bytes)?);
+            }
+            Ok(page)
+        };
+        let page: Result<Vec<OutboxRow>, StoreError> = deadline("the replay read", work).await;
+        // As a claim's (see `Claim`'s drop): a connection that read a large
+        // row is not pooled with its grown buffer, nor one that failed.
+        let largest = page.as_ref().map_or(usize::MAX, |page| {
+            page.iter().map(read_bytes).max().unwrap_or(0)
+        });
+        if largest > RETAINED_READ_MAX {
+            drop(Object::take(conn));
+        }
+        page
     }
 }

@@ -11,7 +11,8 @@ use std::time::Duration;
 use lapin::types::{AMQPValue, FieldTable};
 
 use crate::support::{
-    Broker, Outbox, by_tenant, config, eventually, metric, relay_env, spawn_relay, start_relay,
+    Broker, Outbox, by_tenant, config, eventually, metric, relay_command, relay_env, spawn_relay,
+    start_relay,
 };
 
 const KIB: usize = 1024;
@@ -182,13 +183,17 @@ const PEAK_RSS_LIMIT_MIB: u64 = 120;
 
 /// The peak RSS (VmHWM) of a running process, in MiB.
 fn peak_rss_mib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
+    peak_rss_mib_if_running(pid).expect("VmHWM in /proc status")
+}
+
+/// [`peak_rss_mib`], `None` once the process is gone.
+fn peak_rss_mib_if_running(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     let kib: u64 = status
         .lines()
         .find_map(|line| line.strip_prefix("VmHWM:"))
-        .and_then(|value| value.split_whitespace().next()?.parse().ok())
-        .expect("VmHWM in /proc status");
-    kib / 1024
+        .and_then(|value| value.split_whitespace().next()?.parse().ok())?;
+    Some(kib / 1024)
 }
 
 /// The relay binary, with nothing but its defaults (and the test's table,
@@ -248,5 +253,33 @@ async fn the_binary_with_defaults_relays_the_heaviest_rows_within_its_memory_lim
     assert!(
         peak <= PEAK_RSS_LIMIT_MIB,
         "peak RSS {peak} MiB, over {PEAK_RSS_LIMIT_MIB} MiB"
+    );
+
+    // `replay` of the same rows, as an operator runs it beside the relay
+    // (`kubectl exec` into its container): within the same limit. Its
+    // VmHWM is read until it exits (the last row is one of 15.9 MiB, whose
+    // confirm and the close follow it).
+    let mut replay = relay_command();
+    replay
+        .envs(relay_env(&outbox, &broker, &tenants))
+        .args(["replay", "--tenant", "m0", "--from-id", "0"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let mut replay = replay.spawn().expect("replay runs");
+    let mut replay_peak = 0;
+    let status = loop {
+        if let Some(status) = replay.try_wait().expect("replay's status") {
+            break status;
+        }
+        if let Some(peak) = peak_rss_mib_if_running(replay.id()) {
+            replay_peak = replay_peak.max(peak);
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
+    assert!(status.success(), "replay: {status:?}");
+    eprintln!("peak RSS of replay: {replay_peak} MiB");
+    assert!(
+        replay_peak <= PEAK_RSS_LIMIT_MIB,
+        "replay's peak RSS {replay_peak} MiB, over {PEAK_RSS_LIMIT_MIB} MiB"
     );
 }
