@@ -315,14 +315,7 @@ fn shown_database(config: &tokio_postgres::Config, tls: &[(&str, &str)], url_for
             (false, false) => format!("{user}@"),
         };
         let mut url = format!("postgres://{userinfo}{}/{dbname}", hosts.join(","));
-        let query: Vec<String> = shown
-            .iter()
-            .map(|(k, v)| format!("{k}={}", url_encoded(v)))
-            .collect();
-        if !query.is_empty() {
-            url.push('?');
-            url.push_str(&query.join("&"));
-        }
+        push_query(&mut url, &shown);
         url
     } else {
         let mut pairs = vec![format!("host={}", names.join(","))];
@@ -383,6 +376,19 @@ fn shown_parameters<'a>(
     }
     shown.extend(tls.iter().map(|(k, v)| (*k, (*v).to_string())));
     shown
+}
+
+/// Adds `?key=value&…` to `url`, each value [`url_encoded`]; nothing when
+/// there are no parameters.
+fn push_query<K: fmt::Display, V: AsRef<str>>(url: &mut String, parameters: &[(K, V)]) {
+    let query: Vec<String> = parameters
+        .iter()
+        .map(|(k, v)| format!("{k}={}", url_encoded(v.as_ref())))
+        .collect();
+    if !query.is_empty() {
+        url.push('?');
+        url.push_str(&query.join("&"));
+    }
 }
 
 /// A query value as a URL carries it: every byte but the unreserved ones

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use lapin::uri::{AMQPScheme, AMQPUri};
 
 use super::tls::{self, Check};
-use super::{last, misplaced_userinfo, url_encoded};
+use super::{last, misplaced_userinfo, push_query};
 use crate::redact::MASK;
 
 /// Heartbeat asked of the broker unless the URL sets one: a silent peer is
@@ -285,13 +285,6 @@ fn shown_amqp(uri: &AMQPUri, parameters: &[(String, String)]) -> String {
         })
         .collect();
     let mut shown = format!("{scheme}://{userinfo}{}:{}/{vhost}", auth.host, auth.port);
-    let query: Vec<String> = parameters
-        .iter()
-        .map(|(k, v)| format!("{k}={}", url_encoded(v)))
-        .collect();
-    if !query.is_empty() {
-        shown.push('?');
-        shown.push_str(&query.join("&"));
-    }
+    push_query(&mut shown, parameters);
     shown
 }
