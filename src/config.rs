@@ -243,7 +243,7 @@ fn every_tenant_fits(key: &RoutingKey, tenants: &[String]) -> Result<(), String>
         if shortest > 255 {
             let shown: String = tenant.chars().take(64).collect();
             return Err(format!(
-                "makes every routing key of tenant {shown:?} at least {shortest} bytes; AMQP allows 255"
+                "makes every routing key of tenant {shown:?} at least {shortest} bytes; AMQP allows 255: shorten the tenant's name (tenants) or the template"
             ));
         }
     }
@@ -777,6 +777,10 @@ mod tests {
             key.starts_with(
                 "routing_key = \"{tenant}.{kind}\" (built-in default): makes every routing key"
             ),
+            "{key}"
+        );
+        assert!(
+            key.ends_with("shorten the tenant's name (tenants) or the template"),
             "{key}"
         );
         let fits = load(

@@ -341,9 +341,9 @@ fn fits_one_frame(properties: &BasicProperties, frame_max: u32) -> Result<(), Re
     if len <= limit {
         return Ok(());
     }
-    let largest = properties.headers().as_ref().and_then(|headers| {
+    let headers = properties.headers().as_ref().map(|headers| headers.inner());
+    let largest = headers.and_then(|headers| {
         headers
-            .inner()
             .iter()
             .max_by_key(|(_, value)| value_len(value))
             .map(|(name, value)| (name.as_str(), value_len(value)))
@@ -352,9 +352,13 @@ fn fits_one_frame(properties: &BasicProperties, frame_max: u32) -> Result<(), Re
         "properties and headers take {len} bytes, over the broker's frame_max ({frame_max}): \
          they must fit one frame"
     );
+    if let Some(headers) = headers {
+        // Many small headers overflow it as surely as one large one.
+        detail.push_str(&format!("; {} headers", headers.len()));
+    }
     if let Some((name, bytes)) = largest {
         detail.push_str(&format!(
-            "; largest header {:?} ({bytes} bytes)",
+            ", the largest {:?} ({bytes} bytes)",
             truncate(name)
         ));
     }
@@ -996,9 +1000,18 @@ mod tests {
             refusal.detail,
             format!(
                 "properties and headers take {exact} bytes, over the broker's frame_max ({}): \
-                 they must fit one frame; largest header \"big\" (1000 bytes)",
+                 they must fit one frame; 5 headers, the largest \"big\" (1000 bytes)",
                 exact - 1
             )
+        );
+
+        // Many small headers: their count says why.
+        let many: serde_json::Map<String, serde_json::Value> =
+            (0..10_000).map(|k| (format!("key{k}"), json!(k))).collect();
+        let refusal = message(&row(Some("x"), Some(many.into()))).unwrap_err();
+        assert!(
+            refusal.detail.contains("; 10004 headers, the largest"),
+            "{refusal:?}"
         );
 
         // 200 kB in one header, the broker's default frame_max.

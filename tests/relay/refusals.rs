@@ -963,7 +963,7 @@ async fn an_oversized_header_is_refused_before_sending_and_the_connection_stays_
     let error = beside.outbox.row(beside.guilty).await.last_error.unwrap();
     assert!(
         error.contains("over the broker's frame_max (131072)")
-            && error.ends_with("largest header \"blob\" (200000 bytes)"),
+            && error.ends_with("; 6 headers, the largest \"blob\" (200000 bytes)"),
         "{error}"
     );
     let metrics = beside.relay.get("/metrics").await.1;
