@@ -237,7 +237,8 @@ impl Store {
                  RESTART IDENTITY, or rows inserted with explicit ids): the rows it numbers next \
                  reuse ids already sent as message_id, which consumers that deduplicate on it may \
                  drop, and pending rows with ids above {position} wait until it passes them (commit \
-                 order); fix: SELECT setval('{name}', GREATEST({given}, (SELECT max(id) FROM                  {table})))"
+                 order); fix: SELECT setval('{name}', GREATEST({given}, (SELECT max(id) FROM \
+                 {table})))"
             ),
             Some(PositionChange::Caught) => tracing::info!(
                 sequence = name,

@@ -920,8 +920,8 @@ async fn a_sequence_behind_an_id_it_gave_is_said_with_the_fix() {
     );
     assert!(
         output.contains(&format!(
-            "fix: SELECT setval('{}.outbox_message_id_seq', GREATEST({second}, (SELECT max(id) FROM",
-            outbox.schema
+            "fix: SELECT setval('{}.outbox_message_id_seq', GREATEST({second}, (SELECT max(id) FROM \\\"{}\\\".\\\"{}\\\")))",
+            outbox.schema, outbox.schema, outbox.table
         )),
         "{output}"
     );
