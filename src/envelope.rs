@@ -43,15 +43,6 @@ pub const APP_ID: &str = "outbox-relay";
 /// one (`outbox-replay: true` marks a replay's messages alone).
 pub const RESERVED_PREFIX: &str = "outbox-";
 
-/// The headers the relay sets itself (all under [`RESERVED_PREFIX`]).
-pub const RESERVED_HEADERS: [&str; 5] = [
-    "outbox-id",
-    "outbox-tenant-id",
-    "outbox-subject-id",
-    "outbox-occurred-at",
-    "outbox-tombstone",
-];
-
 /// Headers RabbitMQ reads for routing (sender-selected distribution) and
 /// requires to be arrays of strings, which a row's headers cannot express.
 pub const ROUTING_HEADERS: [&str; 2] = ["CC", "BCC"];
@@ -199,8 +190,8 @@ impl Envelope {
     }
 }
 
-/// The headers the relay sets on `row`'s message of `tenant` (see
-/// [`RESERVED_HEADERS`]), before the row's own are merged in.
+/// The headers the relay sets on `row`'s message of `tenant` (all named
+/// under [`RESERVED_PREFIX`]), before the row's own are merged in.
 fn relay_headers(tenant: &str, row: &OutboxRow) -> Result<Headers, Refusal> {
     // Written straight into the header's value.
     let mut occurred_at = Vec::with_capacity(OCCURRED_AT_LEN);

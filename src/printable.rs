@@ -16,7 +16,7 @@ pub fn escape_controls(text: &str) -> String {
             '\n' => out.push_str("\\n"),
             '\r' => out.push_str("\\r"),
             '\t' => out.push_str("\\t"),
-            c if c.is_control() || is_layout_control(c) => {
+            c if drives_the_terminal(c) => {
                 let _ = write!(out, "\\u{{{:x}}}", u32::from(c));
             }
             c => out.push(c),
@@ -46,13 +46,7 @@ pub fn cut(text: &str, width: usize) -> String {
 pub fn fit(text: &str, width: usize) -> String {
     let one_line: String = text
         .chars()
-        .map(|c| {
-            if c.is_control() || is_layout_control(c) {
-                ' '
-            } else {
-                c
-            }
-        })
+        .map(|c| if drives_the_terminal(c) { ' ' } else { c })
         .collect();
     if one_line.chars().count() <= width {
         return one_line;
@@ -70,13 +64,19 @@ pub fn quoted(text: &str) -> String {
     let json = serde_json::to_string(text).unwrap_or_default();
     let mut out = String::with_capacity(json.len());
     for c in json.chars() {
-        if c.is_control() || is_layout_control(c) {
+        if drives_the_terminal(c) {
             let _ = write!(out, "\\u{:04x}", u32::from(c));
         } else {
             out.push(c);
         }
     }
     out
+}
+
+/// What [`escape_controls`] escapes: a control character (C0, DEL, C1), or
+/// one that moves text about on a screen (see [`is_layout_control`]).
+fn drives_the_terminal(c: char) -> bool {
+    c.is_control() || is_layout_control(c)
 }
 
 /// Characters that are not `Cc` controls but still move text about on a
