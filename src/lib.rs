@@ -114,18 +114,22 @@ pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(
     Ok(())
 }
 
+/// How long the check at start waits for the database before the relay
+/// serves `/livez` without its answer: well within a start-up probe's 30 s.
+const START_CHECK_WAIT: Duration = Duration::from_secs(5);
+
 /// With `park_after_attempts` set and no `migrate = true` to add them, the
 /// table must have the columns of parking: a relay that would never park
 /// what it was told to stops at start, saying how to fix it. A database not
-/// reachable yet is no answer: the relay starts, and parks nothing until
-/// its poll finds the columns.
+/// answering within [`START_CHECK_WAIT`] is no answer: the relay starts, and
+/// parks nothing until its poll finds the columns.
 async fn require_parking(relay: &Relay) -> Result<(), RunError> {
     let park_after_attempts = relay.config.park_after_attempts;
     if park_after_attempts == 0 || relay.config.migrate {
         return Ok(());
     }
-    match relay.store.check_columns().await {
-        Ok(true) if !relay.store.has_parking_columns() => {
+    match tokio::time::timeout(START_CHECK_WAIT, relay.store.check_columns()).await {
+        Ok(Ok(true)) if !relay.store.has_parking_columns() => {
             Err(RunError::NoParking(park_after_attempts))
         }
         _ => Ok(()),

@@ -222,8 +222,96 @@ async fn every_probe_points_at_a_route_the_relay_serves() {
                 .unwrap_or_else(|| panic!("{path}: the relay has a {probe}"))
         };
         assert_eq!(probe_path("livenessProbe"), "/livez", "{path}: liveness");
-        assert_eq!(probe_path("readinessProbe"), "/readyz", "{path}: readiness");
+        if *path == STANDALONE {
+            assert_eq!(probe_path("readinessProbe"), "/readyz", "{path}: readiness");
+        }
     }
+}
+
+/// Every Kubernetes object (a document with `apiVersion` and `kind`) of every
+/// YAML file under `deploy/`, with its file's path.
+fn kubernetes_objects() -> Vec<(String, Value)> {
+    fn walk(dir: &Path, found: &mut Vec<String>) {
+        for entry in std::fs::read_dir(dir).unwrap_or_else(|e| panic!("{dir:?}: {e}")) {
+            let path = entry.expect("directory entry").path();
+            if path.is_dir() {
+                walk(&path, found);
+            } else if path.extension().is_some_and(|e| e == "yaml" || e == "yml") {
+                let relative = path.strip_prefix(repo()).expect("under the repository");
+                found.push(relative.to_string_lossy().into_owned());
+            }
+        }
+    }
+    let mut files = Vec::new();
+    walk(&repo().join("deploy"), &mut files);
+    files
+        .into_iter()
+        .flat_map(|path| {
+            yaml_documents(&path)
+                .into_iter()
+                .filter(|d| str_at(d, "apiVersion").is_some() && str_at(d, "kind").is_some())
+                .map(move |d| (path.clone(), d))
+        })
+        .collect()
+}
+
+/// The pod spec of an object that makes pods: a workload's template, a
+/// CronJob's job's template, or a Pod itself.
+fn pod_spec(object: &Value) -> Option<&Value> {
+    let spec = object.get("spec")?;
+    if str_at(object, "kind") == Some("Pod") {
+        return Some(spec);
+    }
+    let spec = spec
+        .get("jobTemplate")
+        .and_then(|j| j.get("spec"))
+        .unwrap_or(spec);
+    spec.get("template")?.get("spec")
+}
+
+/// A relay that shares its pod with the application: a native sidecar (an
+/// init container with `restartPolicy: Always`, whose readiness counts
+/// toward the pod's) or one of several `containers`. Its readiness probe on
+/// `/readyz` (database and broker) or `/healthz` (lag) would take the
+/// application out of its Services during the very outage the outbox rides
+/// out; its start-up and liveness probes are on `/livez`.
+#[test]
+fn a_relay_beside_the_application_is_never_probed_for_readiness_on_its_connections() {
+    let mut beside = BTreeSet::new();
+    for (path, object) in kubernetes_objects() {
+        let Some(pod) = pod_spec(&object) else {
+            continue;
+        };
+        let containers = seq(pod, "containers");
+        let sidecars = seq(pod, "initContainers")
+            .iter()
+            .filter(|c| str_at(c, "restartPolicy") == Some("Always"));
+        let shared = containers
+            .iter()
+            .filter(|_| containers.len() > 1)
+            .chain(sidecars)
+            .filter(|c| str_at(c, "image").is_some_and(|i| i.contains("outbox-relay")));
+        for relay in shared {
+            beside.insert(path.clone());
+            let probe_path = |probe: &str| {
+                relay
+                    .get(probe)
+                    .and_then(|p| p.get("httpGet"))
+                    .and_then(|g| str_at(g, "path"))
+            };
+            if let Some(readiness) = probe_path("readinessProbe") {
+                assert!(
+                    !["/readyz", "/healthz"].contains(&readiness),
+                    "{path}: a relay beside the application has a readiness probe on {readiness}"
+                );
+            }
+            for probe in ["startupProbe", "livenessProbe"] {
+                assert_eq!(probe_path(probe), Some("/livez"), "{path}: {probe}");
+            }
+        }
+    }
+    assert!(beside.contains(SIDECAR), "the sidecar is found: {beside:?}");
+    assert!(!beside.contains(STANDALONE), "{beside:?}");
 }
 
 /// The pod spec of the file's one Deployment and its relay container.

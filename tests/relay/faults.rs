@@ -835,3 +835,49 @@ async fn refused_tenants_stop_alone_and_drain_once_fixed() {
     );
     relay.stop().await;
 }
+
+/// 13. A sidecar's probes: with the database and the broker black-holed from
+/// the start (they accept TCP and never answer), and a check at start that
+/// would wait for the database longer than a start-up probe's 30 s, `/livez`
+/// answers 200 well within those 30 s and stays 200 past its own margin
+/// (5 × `poll_ms` + 30 s without a scheduler turn); `/readyz` says 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn livez_answers_at_once_and_through_an_outage_past_its_margin() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let database = Proxy::start(addr(DATABASE), Mode::Stall).await;
+    let amqp = Proxy::start(addr(BROKER), Mode::Stall).await;
+    let mut env = relay_env(&outbox, &broker, &["a"]);
+    let slow_connect = format!("{}?connect_timeout=40", database_via(&database));
+    set_env(&mut env, "OUTBOX_DATABASE_URL", slow_connect);
+    set_env(&mut env, "OUTBOX_AMQP_URL", amqp_via(&amqp));
+    set_env(&mut env, "OUTBOX_PARK_AFTER_ATTEMPTS", "3");
+    let spawned = Instant::now();
+    let (mut process, http) = spawn_relay(&env).await;
+    eventually("/livez answers 200", Duration::from_secs(30), || async {
+        http_get(http, "/livez").await.0 == 200
+    })
+    .await;
+    let alive_after = spawned.elapsed();
+    assert!(
+        alive_after < Duration::from_secs(20),
+        "/livez 200 only {alive_after:?} after start"
+    );
+    // Past the margin counted from the relay's start, as from any turn.
+    while spawned.elapsed() < Duration::from_secs(36) {
+        let (status, body) = http_get(http, "/livez").await;
+        assert_eq!(
+            status,
+            200,
+            "{:?} into the outage: {body}",
+            spawned.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let (status, body) = http_get(http, "/readyz").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(database.accepted() > 0 && amqp.accepted() > 0);
+    process.signal("TERM");
+    let code = process.wait(Duration::from_secs(10)).await;
+    assert_eq!(code, Some(0), "{}", process.output());
+}
