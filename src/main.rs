@@ -255,7 +255,8 @@ fn tail(runtime: &Runtime, loaded: &Loaded, routing_key: &str, json: bool) -> Ex
 
 /// The relay (or `migrate`), with logging on stdout, and traces exported
 /// when configured (not for `migrate`): runs until a signal, gives the
-/// exporter what is left of the grace period, and reports how it ended.
+/// exporter at most 1 s, within what is left of the grace period, and
+/// reports how it ended.
 fn run_logged(
     runtime: &Runtime,
     loaded: Loaded,
@@ -295,7 +296,7 @@ fn run_logged(
         }
     });
     if let Some(exporting) = exporting {
-        // What is left of the grace period, on a thread of its own.
+        // What is left of the grace period, at most 1 s, on a thread of its own.
         let left = signalled.get().map_or(grace, |at: &std::time::Instant| {
             grace.saturating_sub(at.elapsed())
         });

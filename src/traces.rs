@@ -75,6 +75,10 @@ pub enum InstallError {
     Twice,
 }
 
+/// The most the exporter gets at shutdown for everything, the export under
+/// way included: a collector that never answers holds up no exit.
+pub const SHUTDOWN_EXPORT_MAX: Duration = Duration::from_secs(1);
+
 /// Tracing that runs: [`Exporting::shutdown`] flushes it at the end.
 #[derive(Debug)]
 pub struct Exporting {
@@ -97,11 +101,12 @@ pub fn install(settings: &Settings) -> Result<Option<Exporting>, InstallError> {
 }
 
 impl Exporting {
-    /// Exports what is queued and stops, within `within` (the export runs
-    /// on its own thread, never the runtime's); what is left then is
-    /// counted as dropped.
+    /// Exports what is queued and stops, within `within` or
+    /// [`SHUTDOWN_EXPORT_MAX`], whichever is less (the export runs on its
+    /// own thread, never the runtime's); what is left then, the export
+    /// under way included, is abandoned and counted as dropped.
     pub fn shutdown(self, within: Duration) {
-        self.exporter.shutdown(within);
+        self.exporter.shutdown(within.min(SHUTDOWN_EXPORT_MAX));
     }
 }
 

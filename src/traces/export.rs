@@ -9,7 +9,8 @@
 //! `outbox_trace_spans_dropped_total`: a span that finds the queue holding
 //! `OTEL_BSP_MAX_QUEUE_SIZE` spans already, every span of an export that
 //! failed (unreachable, slow or black-hole endpoint) or that the endpoint
-//! answers it rejected, and what is still queued when shutdown's time is up.
+//! answers it rejected, and what is still queued or in an export under way
+//! when shutdown's time is up: that export is abandoned, not waited for.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -40,6 +41,8 @@ struct Pending {
     /// Spans taken by an export still under way.
     exporting: usize,
     closing: bool,
+    /// Shutdown's time ran out: what was left is counted already.
+    abandoned: bool,
 }
 
 impl Queue {
@@ -97,9 +100,20 @@ impl Queue {
         (spans, count, pending.closing)
     }
 
-    /// The export under way ended (sent or dropped).
-    fn exported(&self) {
-        self.lock().exporting = 0;
+    /// The export under way ended; whether its outcome still counts (it
+    /// does not once shutdown abandoned it).
+    fn exported(&self) -> bool {
+        let mut pending = self.lock();
+        pending.exporting = 0;
+        !pending.abandoned
+    }
+
+    /// Gives up what is queued and the export under way; how many spans.
+    fn abandon(&self) -> usize {
+        let mut pending = self.lock();
+        pending.abandoned = true;
+        pending.spans.clear();
+        std::mem::take(&mut pending.count) + std::mem::take(&mut pending.exporting)
     }
 
     fn close(&self) {
@@ -108,7 +122,8 @@ impl Queue {
     }
 
     /// Spans not yet exported: queued, or in an export under way.
-    pub fn left(&self) -> usize {
+    #[cfg(test)]
+    fn left(&self) -> usize {
         let pending = self.lock();
         pending.count + pending.exporting
     }
@@ -146,12 +161,14 @@ pub fn start(export: &Export, dropped: IntCounter) -> Result<Exporter, BuildErro
                 spare = spans;
                 if count > 0 {
                     let body = otlp::export_request(&resource, &scope, &spare);
-                    match sender.post(body) {
-                        Ok(None) => {}
-                        Ok(Some(rejected)) => losses.rejected(&rejected),
-                        Err(error) => losses.failed(count, &error),
+                    let sent = sender.post(body);
+                    if exporting.exported() {
+                        match sent {
+                            Ok(None) => {}
+                            Ok(Some(rejected)) => losses.rejected(&rejected),
+                            Err(error) => losses.failed(count, &error),
+                        }
                     }
-                    exporting.exported();
                 }
                 if last {
                     break;
@@ -164,12 +181,19 @@ pub fn start(export: &Export, dropped: IntCounter) -> Result<Exporter, BuildErro
 }
 
 impl Exporter {
-    /// Exports what is queued and stops, within `within`; what is left then
-    /// is counted as dropped.
+    /// Exports what is queued and stops, within `within`; then what is left,
+    /// queued or in an export under way, is abandoned: counted as dropped,
+    /// and said.
     pub fn shutdown(self, within: Duration) {
         self.queue.close();
         if self.ended.recv_timeout(within).is_err() {
-            self.queue.dropped.inc_by(self.queue.left() as u64);
+            let dropped = self.queue.abandon();
+            self.queue.dropped.inc_by(dropped as u64);
+            tracing::warn!(
+                dropped,
+                within_ms = within.as_millis() as u64,
+                "the trace endpoint did not take the last spans in time; they are dropped (rows are published as before)"
+            );
         }
     }
 }
@@ -281,9 +305,21 @@ mod tests {
         assert_eq!((count, last), (3, false));
         assert_eq!(spans, b"\x12\x01a\x12\x01b\x12\x01c");
         assert_eq!(queue.left(), 3, "in the export under way");
-        queue.exported();
+        assert!(queue.exported(), "its outcome counts");
         queue.push(b"f");
         assert_eq!(queue.left(), 1);
+    }
+
+    #[test]
+    fn an_abandoned_export_is_counted_once_with_what_is_queued() {
+        let queue = Queue::new(100, counter());
+        queue.push(b"a");
+        queue.push(b"b");
+        let (_, count, _) = queue.take(Duration::ZERO, Vec::new());
+        queue.push(b"c");
+        assert_eq!((count, queue.abandon()), (2, 3));
+        assert_eq!(queue.left(), 0);
+        assert!(!queue.exported(), "its late outcome is not counted again");
     }
 
     #[test]

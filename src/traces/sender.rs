@@ -8,13 +8,17 @@
 //! 1.6 s, or what its `Retry-After` asks), with up to 100 ms of jitter, and
 //! never past the export timeout counted from the first try. Spans the
 //! endpoint answers that it rejected (`partial_success`) are reported too.
+//!
+//! A redirect (any 3xx) is a failed export, never followed: a client that
+//! followed it would send the batch, and the `OTEL_EXPORTER_OTLP_HEADERS`
+//! values (an API key), wherever the `Location` pointed.
 
 use std::hash::{BuildHasher, RandomState};
 use std::io::Read;
 use std::time::{Duration, Instant};
 
 use reqwest::blocking::Client;
-use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
+use reqwest::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, LOCATION, RETRY_AFTER};
 
 use super::otlp::{self, Rejected};
 use super::settings::Export;
@@ -69,6 +73,7 @@ impl OtlpHttp {
             .map_err(|error| BuildError::Endpoint(error.to_string()))?;
         let client = Client::builder()
             .timeout(export.timeout)
+            .redirect(reqwest::redirect::Policy::none())
             .pool_max_idle_per_host(1)
             .build()?;
         Ok(OtlpHttp {
@@ -133,16 +138,40 @@ impl OtlpHttp {
                 .and_then(|v| v.to_str().ok())
                 .and_then(|v| v.trim().parse::<u64>().ok())
                 .map(Duration::from_secs);
+            let mut message = format!("HTTP export failed with status {}", status.as_u16());
+            if status.is_redirection() {
+                let location = response
+                    .headers()
+                    .get(LOCATION)
+                    .and_then(|v| v.to_str().ok());
+                message += &format!(
+                    ": redirects are not followed (Location: {}); set the endpoint itself",
+                    shown_location(&self.endpoint, location)
+                );
+            }
             return Err(Failure {
                 status: Some(status.as_u16()),
                 retry_after,
-                message: format!("HTTP export failed with status {}", status.as_u16()),
+                message,
             });
         }
         let mut answer = Vec::new();
         let _ = response.take(MAX_ANSWER).read_to_end(&mut answer);
         Ok(otlp::rejected(&answer))
     }
+}
+
+/// A redirect's `Location`, resolved against the endpoint, without its user
+/// info, query and fragment (which may hold credentials).
+fn shown_location(endpoint: &reqwest::Url, location: Option<&str>) -> String {
+    let Some(mut url) = location.and_then(|l| endpoint.join(l).ok()) else {
+        return "none".to_string();
+    };
+    let _ = url.set_username("");
+    let _ = url.set_password(None);
+    url.set_query(None);
+    url.set_fragment(None);
+    url.to_string()
 }
 
 /// One failed try.
@@ -194,9 +223,24 @@ mod tests {
             failure(Some(429), Some(2)).retry_after(delay),
             Some(Duration::from_secs(2))
         );
-        for status in [400, 401, 403, 404, 413, 500] {
+        for status in [300, 301, 302, 303, 307, 308, 400, 401, 403, 404, 413, 500] {
             assert_eq!(failure(Some(status), None).retry_after(delay), None);
         }
+    }
+
+    #[test]
+    fn a_redirects_location_is_shown_without_user_info_query_or_fragment() {
+        let endpoint = reqwest::Url::parse("http://collector:4318/v1/traces?k=1").unwrap();
+        let shown = |location| shown_location(&endpoint, location);
+        assert_eq!(
+            shown(Some("https://u:pa55@other:443/v1/traces?token=t0k#f")),
+            "https://other/v1/traces"
+        );
+        assert_eq!(
+            shown(Some("/elsewhere?token=t0k")),
+            "http://collector:4318/elsewhere"
+        );
+        assert_eq!(shown(None), "none");
     }
 
     #[test]

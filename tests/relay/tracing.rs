@@ -5,6 +5,7 @@
 //! black-hole endpoint that never answers.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -20,6 +21,7 @@ use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use opentelemetry_proto::tonic::trace::v1::status::StatusCode;
 use prost::Message as _;
 use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::support::{
     Broker, Outbox, Received, eventually, http_get, metric, relay_command, relay_env, set_env,
@@ -675,6 +677,176 @@ async fn an_otel_value_the_relay_cannot_honour_exits_2_naming_the_variable() {
         assert!(
             stderr.contains(&format!("{variable} (environment)")),
             "{variable}: {stderr}"
+        );
+    }
+}
+
+/// A TCP listener that counts the connections it accepts and holds them:
+/// with `trickle`, it answers each one byte every 500 ms (a byte-by-byte
+/// collector), else never (a black hole).
+async fn counting_listener(trickle: bool) -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the listener");
+    let addr = listener.local_addr().expect("addr");
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counted = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            counted.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let answer = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n";
+                for byte in answer.iter().filter(|_| trickle) {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    if stream.write_all(&[*byte]).await.is_err() {
+                        return;
+                    }
+                }
+                let mut sink = Vec::new();
+                let _ = stream.read_to_end(&mut sink).await;
+            });
+        }
+    });
+    (addr, accepted)
+}
+
+/// What the redirecting endpoint of the next test saw.
+#[derive(Default)]
+struct Redirecting {
+    /// Requests to `/v1/traces` carrying the configured `x-api-key`.
+    keyed: AtomicUsize,
+    /// Requests to `/moved`, its same-origin `Location`.
+    moved: AtomicUsize,
+    /// Where its first answer points: another listener.
+    other: Mutex<String>,
+}
+
+/// Answers its first export 307 to another origin, every later one 308 to
+/// a path of its own.
+async fn redirecting(
+    State(state): State<Arc<Redirecting>>,
+    headers: axum::http::HeaderMap,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let n = state.keyed.load(Ordering::SeqCst);
+    if headers.get("x-api-key").is_some_and(|v| v == "k3y") {
+        state.keyed.fetch_add(1, Ordering::SeqCst);
+    }
+    let (status, location) = if n == 0 {
+        let other = state.other.lock().unwrap().clone();
+        (axum::http::StatusCode::TEMPORARY_REDIRECT, other)
+    } else {
+        let location = "/moved?token=t0k".to_string();
+        (axum::http::StatusCode::PERMANENT_REDIRECT, location)
+    };
+    (status, [(axum::http::header::LOCATION, location)]).into_response()
+}
+
+/// An endpoint that redirects: every export is a failure, counted and
+/// logged once with the status and the `Location` (no user info, no query),
+/// and never followed, to another origin or to its own: the other listener
+/// gets no connection, the same-origin path no request, and the
+/// `x-api-key` goes nowhere but the endpoint.
+#[tokio::test]
+async fn a_redirect_is_a_failed_export_never_followed() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["a.#"]).await;
+    let (other, other_accepted) = counting_listener(false).await;
+    let state = Arc::new(Redirecting {
+        other: Mutex::new(format!("http://otel:s3cret@{other}/v1/traces?token=t0k")),
+        ..Redirecting::default()
+    });
+    let router = axum::Router::new()
+        .route("/v1/traces", post(redirecting))
+        .route(
+            "/moved",
+            post(|State(state): State<Arc<Redirecting>>| async move {
+                state.moved.fetch_add(1, Ordering::SeqCst);
+            }),
+        )
+        .with_state(state.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the endpoint");
+    let endpoint = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    let mut env = traced_env(&outbox, &broker, &format!("http://{endpoint}"));
+    set_env(&mut env, "OTEL_EXPORTER_OTLP_HEADERS", "x-api-key=k3y");
+    let (relay, addr) = spawn_relay(&env).await;
+    for round in 1..=2 {
+        outbox.insert_many("a", 5).await;
+        eventually("an export per round", Duration::from_secs(20), || {
+            let keyed = state.keyed.load(Ordering::SeqCst);
+            async move { keyed >= round }
+        })
+        .await;
+    }
+    eventually("the rows go out as ever", Duration::from_secs(10), || {
+        let n = broker.count();
+        async move { n == 10 }
+    })
+    .await;
+    eventually("the spans counted", Duration::from_secs(10), || async {
+        let (_, body) = http_get(addr, "/metrics").await;
+        metric(&body, "outbox_trace_spans_dropped_total").unwrap_or(0.0) >= 10.0
+    })
+    .await;
+    assert_eq!(other_accepted.load(Ordering::SeqCst), 0, "another origin");
+    assert_eq!(state.moved.load(Ordering::SeqCst), 0, "the same origin");
+    let output = relay.output();
+    let failures: Vec<&str> = output
+        .lines()
+        .filter(|line| line.contains("span export failed"))
+        .collect();
+    assert_eq!(failures.len(), 1, "at most a line a minute: {failures:?}");
+    let expected =
+        format!("status 307: redirects are not followed (Location: http://{other}/v1/traces)");
+    assert!(failures[0].contains(&expected), "{}", failures[0]);
+    for secret in ["s3cret", "t0k", "k3y"] {
+        assert!(!output.contains(secret), "{secret} printed:\n{output}");
+    }
+}
+
+/// Shutdown waits on no collector: with an export in flight to one that
+/// accepts and never answers, or answers a byte every 500 ms, and the
+/// default 20 s grace and a 30 s export timeout, SIGTERM exits 0 within
+/// 2 s, and the abandoned spans are said.
+#[tokio::test]
+async fn sigterm_exits_within_2_s_whatever_the_collector_does() {
+    for trickle in [false, true] {
+        let outbox = Outbox::create().await;
+        let broker = Broker::create(&["a.#"]).await;
+        let (collector, accepted) = counting_listener(trickle).await;
+        outbox.insert_many("a", 20).await;
+        let mut env = traced_env(&outbox, &broker, &format!("http://{collector}"));
+        set_env(&mut env, "OTEL_EXPORTER_OTLP_TIMEOUT", "30000");
+        let (mut relay, _) = spawn_relay(&env).await;
+        eventually(
+            "every row published and marked",
+            Duration::from_secs(20),
+            || async { broker.count() == 20 && outbox.pending("a").await == 0 },
+        )
+        .await;
+        eventually("an export in flight", Duration::from_secs(10), || {
+            let n = accepted.load(Ordering::SeqCst);
+            async move { n >= 1 }
+        })
+        .await;
+        relay.signal("TERM");
+        let signalled = std::time::Instant::now();
+        assert_eq!(relay.wait(Duration::from_secs(30)).await, Some(0));
+        let took = signalled.elapsed();
+        assert!(
+            took < Duration::from_secs(2),
+            "trickle {trickle}: exited {took:?} after SIGTERM"
+        );
+        assert_eq!(
+            relay.said("WARN", "did not take the last spans in time"),
+            1,
+            "{}",
+            relay.output()
         );
     }
 }
