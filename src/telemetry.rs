@@ -3,6 +3,7 @@
 //! The AMQP client's own events below ERROR are dropped whatever the filter
 //! says: it logs a returned message whole, payload included, at WARN, and
 //! frames at TRACE. The relay logs every failure itself, without payloads.
+//! The database pool's own lines are off unless the filter names them.
 //!
 //! A JSON line written under a row's `publish` span (see `traces`) carries
 //! the span's `trace_id` and `span_id` as fields of its own, so a log search
@@ -26,6 +27,13 @@ use crate::config::LogFormat;
 /// Targets whose events may carry message bodies.
 const PAYLOAD_BEARING_TARGETS: [&str; 2] = ["lapin", "amq_protocol"];
 
+/// Libraries whose events are off unless the filter names them: the AMQP
+/// client's, and the database pool's (`deadpool.postgres`), whose
+/// `Connection could not be recycled` after a database restart only says
+/// that a closed connection was replaced: the relay logs a connection that
+/// fails it in its own words.
+const QUIET_TARGETS: [&str; 3] = ["lapin", "amq_protocol", "deadpool"];
+
 /// Whether an event may be written at all.
 pub fn allowed(metadata: &Metadata<'_>) -> bool {
     let target = metadata.target();
@@ -38,14 +46,15 @@ pub fn allowed(metadata: &Metadata<'_>) -> bool {
     !payload_bearing || *metadata.level() == Level::ERROR
 }
 
-/// The directives added to the `log` filter `spec`: the AMQP client's own
-/// events are off unless the filter names its target. The relay says what
-/// befalls the broker connection in its own words (a lost connection is one
-/// WARN with its reason and the reconnect); lapin would add its own ERROR
-/// lines, a debug dump of the closing frame among them, for every reconnect
-/// the relay rides through. `lapin=error` in the filter brings them back.
+/// The directives added to the `log` filter `spec`: the [`QUIET_TARGETS`]'
+/// own events are off unless the filter names their target. The relay says
+/// what befalls the broker connection in its own words (a lost connection
+/// is one WARN with its reason and the reconnect); lapin would add its own
+/// ERROR lines, a debug dump of the closing frame among them, for every
+/// reconnect the relay rides through. `lapin=error` (or `deadpool=warn`) in
+/// the filter brings them back.
 fn library_directives(spec: &str) -> Vec<String> {
-    PAYLOAD_BEARING_TARGETS
+    QUIET_TARGETS
         .iter()
         .filter(|target| !spec.contains(*target))
         .map(|target| format!("{target}=off"))
@@ -138,9 +147,12 @@ mod tests {
     fn the_amqp_clients_events_are_off_unless_the_filter_names_them() {
         assert_eq!(
             library_directives("info"),
-            ["lapin=off", "amq_protocol=off"]
+            ["lapin=off", "amq_protocol=off", "deadpool=off"]
         );
-        assert_eq!(library_directives("info,lapin=error"), ["amq_protocol=off"]);
-        assert!(library_directives("warn,lapin=error,amq_protocol=error").is_empty());
+        assert_eq!(
+            library_directives("info,lapin=error"),
+            ["amq_protocol=off", "deadpool=off"]
+        );
+        assert!(library_directives("warn,lapin=error,amq_protocol=error,deadpool=warn").is_empty());
     }
 }

@@ -881,3 +881,42 @@ async fn livez_answers_at_once_and_through_an_outage_past_its_margin() {
     let code = process.wait(Duration::from_secs(10)).await;
     assert_eq!(code, Some(0), "{}", process.output());
 }
+
+/// 14. The database ends the relay's idle pool connections (as a restart
+/// does): the rows after it go out, and the log has none of the pool
+/// library's own `Connection could not be recycled` lines, which say nothing
+/// an operator can act on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_connections_ended_by_the_server_are_replaced_without_library_noise() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let name = format!("faults-recycle-{}", outbox.table);
+    let mut env = relay_env(&outbox, &broker, &["a"]);
+    let url = format!("postgres://postgres@{DATABASE}/test?application_name={name}");
+    set_env(&mut env, "OUTBOX_DATABASE_URL", url);
+    let (relay, _) = spawn_relay(&env).await;
+    outbox.insert_many("a", 5).await;
+    eventually("the first rows", Duration::from_secs(20), || async {
+        broker.count() == 5
+    })
+    .await;
+    let admin = pg_client().await;
+    let terminated = admin
+        .query(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1",
+            &[&name],
+        )
+        .await
+        .expect("terminate the relay's sessions");
+    assert!(!terminated.is_empty(), "the relay's pool had sessions");
+    outbox.insert_many("a", 5).await;
+    eventually("the rows after it", Duration::from_secs(20), || async {
+        broker.count() == 10
+    })
+    .await;
+    let output = relay.output();
+    assert!(
+        !output.contains("could not be recycled"),
+        "the pool's own lines:\n{output}"
+    );
+}
