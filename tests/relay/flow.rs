@@ -1,6 +1,7 @@
 //! Broker flow control: a broker that blocks publishers (a resource alarm,
 //! `connection.blocked`) while the relay runs, on a RabbitMQ node of this
-//! test run's own (never the machine's broker, which other tests share).
+//! test run's own (`support::node`; never the machine's broker, which other
+//! tests share).
 //!
 //! What an operator checks: the relay keeps its one connection (counted on
 //! the node), `/readyz` stays 200 and `outbox_amqp_blocked` is 1 while
@@ -10,148 +11,15 @@
 //! the relay within its grace.
 
 use std::collections::BTreeMap;
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::{Mutex, OnceLock};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use crate::support::{
-    Broker, Outbox, check_history, eventually, free_port, http_get, metric, relay_env, set_env,
-    spawn_relay, unique,
+    Broker, BrokerNode, Outbox, check_history, eventually, http_get, metric, private_broker_node,
+    relay_env, set_env, spawn_relay,
 };
 
-/// A RabbitMQ node of this test run's own, started once (10–20 s) from the
-/// machine's installation, as the `rabbitmq` user, with its own node name,
-/// AMQP and distribution ports, configuration, data and logs under a
-/// directory of its own. Its shell parent stops it and removes the directory
-/// when this process exits and its stdin closes.
-struct Node {
-    name: String,
-    port: u16,
-    _stdin: Mutex<ChildStdin>,
-    _child: Mutex<Child>,
-}
-
-/// The alarm is the whole node's: tests that raise it take turns.
-fn turns() -> &'static tokio::sync::Mutex<()> {
-    static TURNS: OnceLock<tokio::sync::Mutex<()>> = OnceLock::new();
-    TURNS.get_or_init(|| tokio::sync::Mutex::new(()))
-}
-
-fn node() -> &'static Node {
-    static NODE: OnceLock<Node> = OnceLock::new();
-    NODE.get_or_init(Node::start)
-}
-
-impl Node {
-    fn start() -> Node {
-        let dir = std::env::temp_dir().join(unique("outbox-relay-rabbit"));
-        std::fs::create_dir_all(dir.join("mnesia")).expect("node dir");
-        std::fs::create_dir_all(dir.join("log")).expect("node dir");
-        let port = free_port();
-        let dist_port = free_port();
-        let name = format!("{}@localhost", unique("outbox-relay-flow"));
-        std::fs::write(
-            dir.join("rabbitmq.conf"),
-            format!("listeners.tcp.default = 127.0.0.1:{port}\nloopback_users = none\n"),
-        )
-        .expect("rabbitmq.conf");
-        std::fs::write(dir.join("enabled_plugins"), "[].\n").expect("enabled_plugins");
-        // Empty: the machine's rabbitmq-env.conf names the machine's node.
-        std::fs::write(dir.join("rabbitmq-env.conf"), "").expect("rabbitmq-env.conf");
-        let status = Command::new("chown")
-            .args(["-R", "rabbitmq:rabbitmq"])
-            .arg(&dir)
-            .status()
-            .expect("chown");
-        assert!(status.success());
-        let dir_text = dir.display().to_string();
-        let script = r#"
-            dir=$1
-            /usr/lib/rabbitmq/bin/rabbitmq-server >"$dir/log/stdout" 2>&1 &
-            pid=$!
-            cat >/dev/null
-            kill -TERM "$pid"
-            wait "$pid"
-            rm -rf "$dir"
-        "#;
-        let env = [
-            ("RABBITMQ_NODENAME", name.clone()),
-            ("RABBITMQ_NODE_IP_ADDRESS", "127.0.0.1".to_string()),
-            ("RABBITMQ_NODE_PORT", port.to_string()),
-            ("RABBITMQ_DIST_PORT", dist_port.to_string()),
-            ("RABBITMQ_CONFIG_FILE", format!("{dir_text}/rabbitmq.conf")),
-            (
-                "RABBITMQ_CONF_ENV_FILE",
-                format!("{dir_text}/rabbitmq-env.conf"),
-            ),
-            ("RABBITMQ_MNESIA_BASE", format!("{dir_text}/mnesia")),
-            ("RABBITMQ_LOG_BASE", format!("{dir_text}/log")),
-            (
-                "RABBITMQ_ENABLED_PLUGINS_FILE",
-                format!("{dir_text}/enabled_plugins"),
-            ),
-            ("RABBITMQ_PLUGINS_EXPAND_DIR", format!("{dir_text}/plugins")),
-            ("RABBITMQ_PID_FILE", format!("{dir_text}/pid")),
-            // The machine's Erlang cookie, which `rabbitmqctl` uses too.
-            ("HOME", "/var/lib/rabbitmq".to_string()),
-            ("ERL_EPMD_ADDRESS", "127.0.0.1".to_string()),
-            (
-                "ERL_FLAGS",
-                "-kernel inet_dist_use_interface {127,0,0,1}".to_string(),
-            ),
-        ];
-        let mut child = Command::new("runuser")
-            .args(["-u", "rabbitmq", "--", "sh", "-c", script, "sh", &dir_text])
-            .envs(env)
-            .current_dir("/var/lib/rabbitmq")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("rabbitmq-server starts");
-        let stdin = child.stdin.take().expect("stdin");
-        let node = Node {
-            name,
-            port,
-            _stdin: Mutex::new(stdin),
-            _child: Mutex::new(child),
-        };
-        let deadline = Instant::now() + Duration::from_secs(90);
-        while !node.try_ctl(&["await_startup", "--timeout", "10"]).0 {
-            assert!(
-                Instant::now() < deadline,
-                "the private RabbitMQ node did not start within 90 s: {}",
-                std::fs::read_to_string(dir.join("log/stdout")).unwrap_or_default()
-            );
-            std::thread::sleep(Duration::from_millis(500));
-        }
-        node
-    }
-
-    fn url(&self) -> String {
-        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
-    }
-
-    /// `rabbitmqctl` against this node: whether it succeeded, and its output.
-    fn try_ctl(&self, args: &[&str]) -> (bool, String) {
-        let output = Command::new("rabbitmqctl")
-            .args(["-q", "-n", &self.name])
-            .args(args)
-            .stdin(Stdio::null())
-            .output()
-            .expect("rabbitmqctl runs");
-        (
-            output.status.success(),
-            String::from_utf8_lossy(&output.stdout).into_owned(),
-        )
-    }
-
-    fn ctl(&self, args: &[&str]) -> String {
-        let (ok, output) = self.try_ctl(args);
-        assert!(ok, "rabbitmqctl {args:?} failed: {output}");
-        output
-    }
-
+impl BrokerNode {
     /// Connections on the node that the relay opened (it names them).
     async fn relay_connections(&'static self) -> usize {
         tokio::task::spawn_blocking(|| {
@@ -177,7 +45,7 @@ impl Node {
 }
 
 /// The node's memory alarm, cleared when dropped (even if the test fails).
-struct Alarm(&'static Node);
+struct Alarm(&'static BrokerNode);
 
 impl Drop for Alarm {
     fn drop(&mut self) {
@@ -208,20 +76,18 @@ fn sum(metrics: &str, name: &str, needle: &str) -> f64 {
 
 /// The relay binary on the private node for `tenants`, with a narrow
 /// confirm timeout so that an alarm lasts many of them.
-fn blocked_relay_env(outbox: &Outbox, broker: &Broker, tenants: &[&str]) -> Vec<(String, String)> {
+fn blocked_relay_env(
+    node: &BrokerNode,
+    outbox: &Outbox,
+    broker: &Broker,
+    tenants: &[&str],
+) -> Vec<(String, String)> {
     let mut env = relay_env(outbox, broker, tenants);
-    set_env(&mut env, "OUTBOX_AMQP_URL", node().url());
+    set_env(&mut env, "OUTBOX_AMQP_URL", node.url());
     set_env(&mut env, "OUTBOX_BATCH_SIZE", "100");
     set_env(&mut env, "OUTBOX_CONFIRM_TIMEOUT_MS", "1000");
     set_env(&mut env, "OUTBOX_MAX_BACKOFF_MS", "500");
     env
-}
-
-/// A private node started once for this run, on a blocking thread.
-async fn private_node() -> &'static Node {
-    tokio::task::spawn_blocking(node)
-        .await
-        .expect("the private node starts")
 }
 
 const BATCH: usize = 100;
@@ -232,12 +98,12 @@ const BATCH: usize = 100;
 /// tenant.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_alarm_keeps_the_connection_and_resends_at_most_a_batch_per_tenant() {
-    let node = private_node().await;
-    let _turn = turns().lock().await;
+    let node = private_broker_node().await;
+    let _turn = node.turn().await;
     let outbox = Outbox::create().await;
     let broker = Broker::create_on(&node.url(), &["#"]).await;
     let tenants = ["flow_a", "flow_b"];
-    let mut env = blocked_relay_env(&outbox, &broker, &tenants);
+    let mut env = blocked_relay_env(node, &outbox, &broker, &tenants);
     // The alarm lasts many heartbeat intervals too: lapin sends no heartbeat
     // while blocked, and neither side may take the silence for a dead peer.
     set_env(
@@ -356,12 +222,12 @@ async fn a_broker_alarm_keeps_the_connection_and_resends_at_most_a_batch_per_ten
 /// exits 0 within its grace.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_while_the_broker_blocks_stops_within_the_grace() {
-    let node = private_node().await;
-    let _turn = turns().lock().await;
+    let node = private_broker_node().await;
+    let _turn = node.turn().await;
     let outbox = Outbox::create().await;
     let broker = Broker::create_on(&node.url(), &["#"]).await;
     let tenants = ["flow_stop"];
-    let mut env = blocked_relay_env(&outbox, &broker, &tenants);
+    let mut env = blocked_relay_env(node, &outbox, &broker, &tenants);
     // The confirms in flight would outlast the grace.
     set_env(&mut env, "OUTBOX_CONFIRM_TIMEOUT_MS", "30000");
     set_env(&mut env, "OUTBOX_SHUTDOWN_GRACE_MS", "2000");
@@ -405,12 +271,12 @@ async fn sigterm_while_the_broker_blocks_stops_within_the_grace() {
 /// it; it does not wait for the unblock.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_while_the_broker_blocks_ends_at_the_row_it_reached() {
-    let node = private_node().await;
-    let _turn = turns().lock().await;
+    let node = private_broker_node().await;
+    let _turn = node.turn().await;
     let outbox = Outbox::create().await;
     let broker = Broker::create_on(&node.url(), &["#"]).await;
     let tenants = ["flow_replay"];
-    let env = blocked_relay_env(&outbox, &broker, &tenants);
+    let env = blocked_relay_env(node, &outbox, &broker, &tenants);
     let (mut relay, _) = spawn_relay(&env).await;
     let mut committed = Committed::new();
     write_rows(&outbox, &tenants, 20, &mut committed).await;

@@ -13,8 +13,8 @@ use std::time::Duration;
 use serde_json::json;
 
 use crate::support::{
-    Broker, Outbox, RelayHandle, RowState, by_tenant, config, eventually, http_get, metric,
-    relay_env, set_env, spawn_relay, start_relay,
+    Broker, BrokerNode, Outbox, RelayHandle, RowState, by_tenant, config, eventually, http_get,
+    metric, private_broker_node, relay_env, set_env, spawn_relay, start_relay,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -663,6 +663,7 @@ async fn beside_a_guilty_row(
     }
     let tenants: Vec<&str> = std::iter::once("guilty").chain(CALM).collect();
     let mut config = config(&outbox, broker, &tenants);
+    config.amqp_url = broker.url().parse().expect("amqp url");
     config.batch_size = BATCH;
     config.max_in_flight = IN_FLIGHT;
     config.concurrency = 5;
@@ -1074,33 +1075,27 @@ async fn a_deleted_exchange_is_a_configuration_problem_blamed_on_no_row() {
 /// Sets the broker's `max_message_size` (a global setting, read when a
 /// channel opens) and restores the default when dropped, even if the test
 /// panics. Only with the broker held exclusively.
-struct MaxMessageSize;
+struct MaxMessageSize(&'static BrokerNode);
 
 impl MaxMessageSize {
     const DEFAULT: usize = 134_217_728;
 
-    fn set(bytes: usize) -> MaxMessageSize {
-        Self::eval(bytes);
-        MaxMessageSize
+    fn set(node: &'static BrokerNode, bytes: usize) -> MaxMessageSize {
+        Self::eval(node, bytes);
+        MaxMessageSize(node)
     }
 
-    fn eval(bytes: usize) {
-        let status = std::process::Command::new("rabbitmqctl")
-            .args([
-                "-q",
-                "eval",
-                &format!("application:set_env(rabbit, max_message_size, {bytes})."),
-            ])
-            .stdout(std::process::Stdio::null())
-            .status()
-            .expect("rabbitmqctl runs");
-        assert!(status.success(), "rabbitmqctl eval set_env {bytes}");
+    fn eval(node: &BrokerNode, bytes: usize) {
+        node.ctl(&[
+            "eval",
+            &format!("application:set_env(rabbit, max_message_size, {bytes})."),
+        ]);
     }
 }
 
 impl Drop for MaxMessageSize {
     fn drop(&mut self) {
-        Self::eval(Self::DEFAULT);
+        Self::eval(self.0, Self::DEFAULT);
     }
 }
 
@@ -1112,8 +1107,12 @@ impl Drop for MaxMessageSize {
 /// incident happens once, not at every retry.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_over_the_brokers_max_message_size_is_found_alone_after_one_incident() {
-    let broker = Broker::create_exclusive(&["#"]).await;
-    let limit = MaxMessageSize::set(1_048_576);
+    // The limit is the whole node's: on the run's own node, in turn, so
+    // that no other process on the machine's broker meets it or resets it.
+    let node = private_broker_node().await;
+    let _turn = node.turn().await;
+    let broker = Broker::create_on(&node.url(), &["#"]).await;
+    let limit = MaxMessageSize::set(node, 1_048_576);
     let beside = beside_a_guilty_row(&broker, "repeat('x', 2097152)", "NULL", 4).await;
     beside
         .assert_guilty_row_stops_its_tenant(

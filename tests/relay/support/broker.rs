@@ -1,7 +1,8 @@
 //! The test's own broker side: a private topic exchange and queue with a
-//! consumer that records every delivery, side queues, and the lock that
-//! keeps a test that changes the whole broker apart from the others. The
-//! exchange and queues are deleted when the `Broker` goes out of scope.
+//! consumer that records every delivery, and side queues. The exchange and
+//! queues are deleted when the `Broker` goes out of scope. A test that
+//! changes the whole broker does it on a node of the run's own
+//! (`support::node`), never on the machine's broker.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -45,34 +46,12 @@ impl Received {
     }
 }
 
-/// Tests that publish hold this shared; one that changes the whole broker
-/// (its `max_message_size`) holds it exclusively, so it never runs beside
-/// them. (A memory alarm is raised on a private node only: `flow`.) The
-/// lock is fair: a test must take its share once, however many exchanges it
-/// makes ([`Broker::create_several`]); a second share asked for while a
-/// writer waits would wait behind it, and the writer behind the first.
-fn broker_lock() -> Arc<tokio::sync::RwLock<()>> {
-    static LOCK: std::sync::OnceLock<Arc<tokio::sync::RwLock<()>>> = std::sync::OnceLock::new();
-    LOCK.get_or_init(|| Arc::new(tokio::sync::RwLock::new(())))
-        .clone()
-}
-
-/// Either side of [`broker_lock`].
-#[allow(dead_code)] // held for its Drop only
-enum BrokerGuard {
-    Shared(tokio::sync::OwnedRwLockReadGuard<()>),
-    Exclusive(tokio::sync::OwnedRwLockWriteGuard<()>),
-    /// Not on the machine's broker.
-    None,
-}
-
 /// A private topic exchange with a queue and a consumer that records every delivery.
 pub struct Broker {
     pub exchange: String,
     pub queue: String,
-    /// The broker's URL, for the cleanup at drop.
+    /// The broker's URL, for the relay and the cleanup at drop.
     url: String,
-    _guard: Arc<BrokerGuard>,
     connection: Connection,
     channel: Channel,
     received: Arc<Mutex<Vec<Received>>>,
@@ -82,33 +61,21 @@ pub struct Broker {
 impl Broker {
     /// Declares the exchange and the consumer's queue, bound with `keys`.
     pub async fn create(keys: &[&str]) -> Broker {
-        let guard = BrokerGuard::Shared(broker_lock().read_owned().await);
-        Broker::create_with(AMQP_URL, keys, Arc::new(guard)).await
+        Broker::create_on(AMQP_URL, keys).await
     }
 
-    /// As [`Broker::create`], on the broker at `url` (a private node of the
-    /// test's own: the machine's broker is not locked for it).
-    pub async fn create_on(url: &str, keys: &[&str]) -> Broker {
-        Broker::create_with(url, keys, Arc::new(BrokerGuard::None)).await
-    }
-
-    /// `n` of [`Broker::create`], under one share of the broker's lock.
+    /// `n` of [`Broker::create`].
     pub async fn create_several(n: usize, keys: &[&str]) -> Vec<Broker> {
-        let guard = Arc::new(BrokerGuard::Shared(broker_lock().read_owned().await));
         let mut brokers = Vec::with_capacity(n);
         for _ in 0..n {
-            brokers.push(Broker::create_with(AMQP_URL, keys, guard.clone()).await);
+            brokers.push(Broker::create(keys).await);
         }
         brokers
     }
 
-    /// As [`Broker::create`], while no other test uses the broker.
-    pub async fn create_exclusive(keys: &[&str]) -> Broker {
-        let guard = BrokerGuard::Exclusive(broker_lock().write_owned().await);
-        Broker::create_with(AMQP_URL, keys, Arc::new(guard)).await
-    }
-
-    async fn create_with(url: &str, keys: &[&str], guard: Arc<BrokerGuard>) -> Broker {
+    /// As [`Broker::create`], on the broker at `url` (a private node of the
+    /// run's own: `support::node`).
+    pub async fn create_on(url: &str, keys: &[&str]) -> Broker {
         let exchange = unique("x");
         let queue = unique("q");
         let connection = Connection::connect(url, ConnectionProperties::default())
@@ -120,7 +87,6 @@ impl Broker {
             exchange,
             queue,
             url: url.to_string(),
-            _guard: guard,
             connection,
             channel,
             received: Arc::new(Mutex::new(Vec::new())),
@@ -243,6 +209,11 @@ impl Broker {
 
     pub fn received(&self) -> Vec<Received> {
         self.received.lock().unwrap().clone()
+    }
+
+    /// The URL of the broker the exchange is on.
+    pub fn url(&self) -> &str {
+        &self.url
     }
 
     pub fn count(&self) -> usize {

@@ -2,7 +2,7 @@
 //! queue with a recording consumer (`broker`), the relay in-process
 //! (`in_process`) or as the real binary (`process`), its endpoints probed
 //! (`http`), histories checked (`history`), servers of the run's own
-//! (`services`), cleanup when a test's resources go out of scope
+//! (`services`, and a RabbitMQ node: `node`), cleanup when a test's resources go out of scope
 //! (`fixture`), and polling with deadlines (here).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -14,6 +14,7 @@ pub mod fixture;
 pub mod history;
 pub mod http;
 pub mod in_process;
+pub mod node;
 pub mod process;
 pub mod services;
 
@@ -23,6 +24,7 @@ pub use fixture::OwnedSchema;
 pub use history::check_history;
 pub use http::{http_get, metric};
 pub use in_process::{RelayHandle, config, start_relay};
+pub use node::{BrokerNode, private_broker_node};
 pub use process::{
     RelayProcess, binary_command, lines_at, relay_command, relay_env, set_env, spawn_relay,
     spawn_relay_of,
