@@ -161,8 +161,12 @@ impl OtlpHttp {
     }
 }
 
+/// The most of a redirect's `Location` shown.
+const MAX_LOCATION_SHOWN: usize = 200;
+
 /// A redirect's `Location`, resolved against the endpoint, without its user
-/// info, query and fragment (which may hold credentials).
+/// info, query and fragment (which may hold credentials), and cut at
+/// [`MAX_LOCATION_SHOWN`] characters.
 fn shown_location(endpoint: &reqwest::Url, location: Option<&str>) -> String {
     let Some(mut url) = location.and_then(|l| endpoint.join(l).ok()) else {
         return "none".to_string();
@@ -171,7 +175,7 @@ fn shown_location(endpoint: &reqwest::Url, location: Option<&str>) -> String {
     let _ = url.set_password(None);
     url.set_query(None);
     url.set_fragment(None);
-    url.to_string()
+    url.as_str().chars().take(MAX_LOCATION_SHOWN).collect()
 }
 
 /// One failed try.
@@ -241,6 +245,8 @@ mod tests {
             "http://collector:4318/elsewhere"
         );
         assert_eq!(shown(None), "none");
+        let long = format!("/{}", "p".repeat(1000));
+        assert_eq!(shown(Some(&long)).len(), MAX_LOCATION_SHOWN);
     }
 
     #[test]
