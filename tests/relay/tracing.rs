@@ -838,6 +838,7 @@ async fn sigterm_exits_within_2_s_whatever_the_collector_does() {
         let signalled = std::time::Instant::now();
         assert_eq!(relay.wait(Duration::from_secs(30)).await, Some(0));
         let took = signalled.elapsed();
+        eprintln!("collector trickle={trickle}: exited {took:?} after SIGTERM");
         assert!(
             took < Duration::from_secs(2),
             "trickle {trickle}: exited {took:?} after SIGTERM"
