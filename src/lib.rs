@@ -265,13 +265,20 @@ async fn migrate_until_done(relay: &Relay, stop: Shutdown) -> bool {
 async fn warn_about_schema(relay: Arc<Relay>, stop: Shutdown, retention: Arc<retention::Denied>) {
     let backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
     let mut failures = 0;
-    let report = loop {
+    let (schema, table) = (&relay.config.schema, &relay.config.table);
+    loop {
         match migrate::check_schema(&relay.store, &relay.config).await {
-            Ok(report) => break report,
+            Ok(report) => {
+                for missing in &report.missing {
+                    tracing::warn!(%schema, %table, "{missing}");
+                }
+                break;
+            }
             Err(error) if error.is_unreachable() => {}
+            // Without USAGE on the schema, say so below.
             Err(error) => {
                 tracing::warn!(%error, "cannot check the outbox table's columns, index and trigger");
-                return;
+                break;
             }
         }
         let delay = backoff.delay(failures);
@@ -280,10 +287,6 @@ async fn warn_about_schema(relay: Arc<Relay>, stop: Shutdown, retention: Arc<ret
             () = tokio::time::sleep(delay) => {}
             () = stop.clone().fired() => return,
         }
-    };
-    let (schema, table) = (&relay.config.schema, &relay.config.table);
-    for missing in &report.missing {
-        tracing::warn!(%schema, %table, "{missing}");
     }
     let grants = match grants::check(&relay.store, &relay.config).await {
         Ok(grants) => grants,

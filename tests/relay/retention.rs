@@ -366,8 +366,9 @@ async fn without_delete_retention_says_the_grant_once_and_relaying_goes_on() {
 }
 
 /// The check at start asks for what the configuration needs: with
-/// retention off, a role without `UPDATE` is told of `UPDATE` (relaying
-/// needs it for its marks), and not of `DELETE`.
+/// retention off, a role with `SELECT` on the table alone is told of
+/// `USAGE` on the schema and `UPDATE` on the table (relaying needs both),
+/// and not of `DELETE`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_check_at_start_names_each_grant_the_configuration_needs() {
     let outbox = Outbox::create().await;
@@ -376,10 +377,7 @@ async fn the_check_at_start_names_each_grant_the_configuration_needs() {
     let _owned = OwnedRole::new(DATABASE_URL, &role);
     outbox
         .execute(&format!(
-            "CREATE ROLE \"{role}\" LOGIN; \
-             GRANT USAGE ON SCHEMA \"{schema}\" TO \"{role}\"; \
-             GRANT SELECT ON {{outbox}} TO \"{role}\"",
-            schema = outbox.schema,
+            "CREATE ROLE \"{role}\" LOGIN; GRANT SELECT ON {{outbox}} TO \"{role}\"",
         ))
         .await;
     let mut env = relay_env(&outbox, &broker, &["a"]);
@@ -394,8 +392,11 @@ async fn the_check_at_start_names_each_grant_the_configuration_needs() {
     relay
         .until_said("ERROR", &fix.replace('"', "\\\""), 1)
         .await;
+    let usage = format!("fix: GRANT USAGE ON SCHEMA \\\"{}\\\"", outbox.schema);
+    relay.until_said("ERROR", &usage, 1).await;
     let output = relay.output();
     assert!(output.contains("lacks UPDATE on TABLE"), "{output}");
+    assert_eq!(relay.said("ERROR", "lacks SELECT"), 0, "{output}");
     assert!(output.contains("which relaying"), "{output}");
     assert_eq!(relay.said("ERROR", "DELETE"), 0, "{output}");
     assert_eq!(relay.said("WARN", "never reused"), 0, "retention is off");
