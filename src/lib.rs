@@ -32,7 +32,8 @@
 //!    publishes, as a consumer sees it; [`lifecycle`] brings parked rows back
 //!    (`requeue`), ends them (`discard`) and sends published rows again
 //!    (`replay`); [`retention`] deletes rows published longer ago than
-//!    `retention_ms`, in small batches, one relay at a time.
+//!    `retention_ms`, in small batches, one relay at a time; [`grants`]
+//!    checks at start that the role may do what the configuration asks.
 #![forbid(unsafe_code)]
 
 pub mod backoff;
@@ -40,6 +41,7 @@ pub mod budget;
 pub mod config;
 pub mod domain;
 pub mod envelope;
+pub mod grants;
 pub mod http;
 pub mod lag;
 pub mod lifecycle;
@@ -181,11 +183,12 @@ pub async fn serve(
             scheduler_stop.clone(),
         ))
     });
+    let retention_denied = Arc::new(retention::Denied::default());
     let retention = retention::spawn(
         &relay.config,
         &relay.store,
         &relay.metrics,
-        scheduler_stop.clone(),
+        (scheduler_stop.clone(), retention_denied.clone()),
     );
     let scheduler = tokio::spawn({
         let relay = relay.clone();
@@ -193,7 +196,8 @@ pub async fn serve(
             if relay.config.migrate && !migrate_until_done(&relay, scheduler_stop.clone()).await {
                 return;
             }
-            tokio::spawn(warn_about_schema(relay.clone(), scheduler_stop.clone()));
+            let stop = scheduler_stop.clone();
+            tokio::spawn(warn_about_schema(relay.clone(), stop, retention_denied));
             scheduler::run(relay, scheduler_stop).await;
         }
     });
@@ -260,17 +264,25 @@ async fn migrate_until_done(relay: &Relay, stop: Shutdown) -> bool {
 }
 
 /// Checks the table once the database answers (retrying with back-off until
-/// then, or until shutdown) and warns once about each thing it lacks.
-async fn warn_about_schema(relay: Arc<Relay>, stop: Shutdown) {
+/// then, or until shutdown) and warns once about each thing it lacks; then
+/// the grants the configuration needs (see [`grants`]).
+async fn warn_about_schema(relay: Arc<Relay>, stop: Shutdown, retention: Arc<retention::Denied>) {
     let backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
     let mut failures = 0;
-    let report = loop {
+    let (schema, table) = (&relay.config.schema, &relay.config.table);
+    loop {
         match migrate::check_schema(&relay.store, &relay.config).await {
-            Ok(report) => break report,
+            Ok(report) => {
+                for missing in &report.missing {
+                    tracing::warn!(%schema, %table, "{missing}");
+                }
+                break;
+            }
             Err(error) if error.is_unreachable() => {}
+            // Without USAGE on the schema, say so below.
             Err(error) => {
                 tracing::warn!(%error, "cannot check the outbox table's columns, index and trigger");
-                return;
+                break;
             }
         }
         let delay = backoff.delay(failures);
@@ -279,9 +291,25 @@ async fn warn_about_schema(relay: Arc<Relay>, stop: Shutdown) {
             () = tokio::time::sleep(delay) => {}
             () = stop.clone().fired() => return,
         }
+    }
+    let grants = match grants::check(&relay.store, &relay.config).await {
+        Ok(grants) => grants,
+        Err(error) => return tracing::warn!(%error, "cannot check the relay's grants"),
     };
-    for missing in &report.missing {
-        tracing::warn!(schema = %relay.config.schema, table = %relay.config.table, "{missing}");
+    for missing in &grants.missing {
+        tracing::error!(%schema, %table, "{missing}");
+    }
+    if grants.retention_denied() {
+        retention.refused();
+    }
+    if let Some(place) = grants.autovacuum_off {
+        tracing::warn!(
+            %schema,
+            %table,
+            "retention_ms > 0 but autovacuum is off for {place}: the space of deleted rows is \
+             never reused, and the table keeps its size on disk; turn autovacuum on, or VACUUM \
+             the table regularly"
+        );
     }
 }
 

@@ -7,6 +7,11 @@
 //! between batches; a round ends at a batch that deleted nothing and met
 //! rows that ended too recently, or at the end of the table.
 //!
+//! Without `DELETE` on the table (SQLSTATE 42501) retention deletes nothing
+//! and the relay goes on relaying: one ERROR names the `GRANT` that fixes it
+//! (at start, by the check of `grants`, or at the first round refused), and
+//! rounds say nothing more until one succeeds.
+//!
 //! One relay at a time: each batch's transaction holds a transaction-scoped
 //! advisory lock (`store/retention_lock.sql`; never a session lock, which
 //! PgBouncer in transaction pooling would leave on a server connection); a
@@ -17,11 +22,13 @@
 //! partitions is cheaper than any DELETE (see the runbook).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::config::Config;
+use crate::grants::MissingGrant;
 use crate::metrics::Metrics;
 use crate::shutdown::Shutdown;
 use crate::sql::qualified_table;
@@ -88,6 +95,27 @@ impl DeletionBatch {
     }
 }
 
+/// SQLSTATE `insufficient_privilege`.
+const INSUFFICIENT_PRIVILEGE: &str = "42501";
+
+/// Whether retention's `DELETE` is refused, as the check at start or a round
+/// found it: the ERROR naming the grant is said once, until a round succeeds.
+#[derive(Debug, Default)]
+pub struct Denied(AtomicBool);
+
+impl Denied {
+    /// Records a refusal; whether it is news (not said since the last
+    /// success).
+    pub fn refused(&self) -> bool {
+        !self.0.swap(true, Ordering::Relaxed)
+    }
+
+    /// Records a round that succeeded; whether retention was refused before.
+    fn granted(&self) -> bool {
+        self.0.swap(false, Ordering::Relaxed)
+    }
+}
+
 /// The retention task of one relay.
 pub struct Retention {
     store: Store,
@@ -97,11 +125,16 @@ pub struct Retention {
     table: String,
     /// `'<schema>.<table>'`: the second lock key, hashed.
     lock_key: String,
+    /// What is said without `DELETE`, and whether it was.
+    missing: MissingGrant,
+    denied: Arc<Denied>,
 }
 
 impl Retention {
-    pub fn new(config: &Config, store: Store, metrics: Metrics) -> Retention {
+    pub fn new(config: &Config, store: Store, metrics: Metrics, denied: Arc<Denied>) -> Retention {
         Retention {
+            missing: MissingGrant::delete(config),
+            denied,
             store,
             metrics,
             retention_ms: i64::try_from(config.retention_ms).unwrap_or(i64::MAX),
@@ -124,9 +157,17 @@ impl Retention {
             }
             match self.round(&stop).await {
                 Ok(Some(deleted)) => {
+                    if self.denied.granted() {
+                        tracing::info!("retention may delete again");
+                    }
                     tracing::info!(deleted, retention_ms = self.retention_ms, "retention round")
                 }
                 Ok(None) => tracing::debug!("retention: another relay's turn, or the pool is busy"),
+                Err(error) if error.sqlstate() == Some(INSUFFICIENT_PRIVILEGE) => {
+                    if self.denied.refused() {
+                        tracing::error!(%error, "{}", self.missing);
+                    }
+                }
                 Err(error) => tracing::warn!(%error, "retention round failed; next round retries"),
             }
         }
@@ -226,15 +267,18 @@ impl Retention {
     }
 }
 
-/// Starts retention when `retention_ms` > 0.
+/// Starts retention when `retention_ms` > 0, until `stop` fires; `denied`
+/// is shared with the check at start.
 pub fn spawn(
     config: &Arc<Config>,
     store: &Store,
     metrics: &Metrics,
-    stop: Shutdown,
+    (stop, denied): (Shutdown, Arc<Denied>),
 ) -> Option<tokio::task::JoinHandle<()>> {
-    (config.retention_ms > 0)
-        .then(|| tokio::spawn(Retention::new(config, store.clone(), metrics.clone()).run(stop)))
+    (config.retention_ms > 0).then(|| {
+        let retention = Retention::new(config, store.clone(), metrics.clone(), denied);
+        tokio::spawn(retention.run(stop))
+    })
 }
 
 #[cfg(test)]

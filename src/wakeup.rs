@@ -31,9 +31,18 @@
 //! the relay's pool sessions carry the same name (see `Relay::from_config`),
 //! so the poll still finds the members and each replica sweeps from it the
 //! tenants it owns.
+//!
+//! Before it takes the wake-up lock or LISTENs, each new connection checks
+//! that it keeps its session between transactions (see `session`). Through
+//! a pool that lends a server connection per transaction it does neither:
+//! it warns once, closes, and the scheduler watches the id sequence whether
+//! rows flow or not (see [`Wakeups::pooled`]).
+
+mod session;
 
 use std::collections::HashSet;
 use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -75,6 +84,9 @@ pub struct Wakeups {
     /// Whether the relay asks writers for notifications: it holds the
     /// wake-up lock while this is true (see `migrations/0005_writer_lock.sql`).
     want_notify: tokio::sync::watch::Sender<bool>,
+    /// The wake-up connection does not keep its session (a pool in
+    /// transaction mode): no LISTEN, no wake-up lock.
+    pooled: AtomicBool,
 }
 
 #[derive(Default)]
@@ -117,6 +129,7 @@ impl Wakeups {
             members_prefix,
             instance,
             want_notify: tokio::sync::watch::Sender::new(config.wakeup.listens()),
+            pooled: AtomicBool::new(false),
         }
     }
 
@@ -128,6 +141,20 @@ impl Wakeups {
             *wanted = want;
             changed
         });
+    }
+
+    /// Whether the wake-up connection was found not to keep its session: no
+    /// notification comes, so the scheduler watches the id sequence for
+    /// good, idle or not.
+    pub fn pooled(&self) -> bool {
+        self.pooled.load(Ordering::Relaxed)
+    }
+
+    /// The wake-up connection does not keep its session: from now on the
+    /// scheduler watches the id sequence (it looks at once).
+    fn fall_back(&self) {
+        self.pooled.store(true, Ordering::Relaxed);
+        self.poll_now();
     }
 
     /// The LISTEN connection took the wake-up lock.
@@ -289,6 +316,8 @@ enum Lost {
     Timeout(Duration),
     #[error("the server takes no writes any more (a primary demoted in a failover)")]
     ReadOnly,
+    #[error("the connection does not keep its session between transactions")]
+    Pooled,
 }
 
 /// The writable check comes at most this often.
@@ -326,6 +355,19 @@ pub async fn run(config: Arc<Config>, wakeups: Arc<Wakeups>, metrics: Metrics, s
             () = stop.clone().fired() => break,
         };
         metrics.set_wakeup_connected(false);
+        if let Lost::Pooled = error {
+            tracing::warn!(
+                url = %config.listen_database_url,
+                "the wake-up connection does not keep its session between transactions \
+                 (a pool in transaction mode, such as PgBouncer's): the relay neither LISTENs \
+                 nor takes the wake-up lock there, and reads the id sequence every 5 ms even \
+                 while idle (about 200 statements a second, where an idle relay sends one per \
+                 poll_ms); fix: set listen_database_url to a direct or session-pooled connection"
+            );
+            wakeups.fall_back();
+            stop.clone().fired().await;
+            break;
+        }
         if !std::mem::replace(&mut outage.warned, true) {
             tracing::warn!(
                 %error,
@@ -350,7 +392,8 @@ fn listen_target(target: &DatabaseTarget, application_name: &str) -> DatabaseTar
     target
 }
 
-/// One LISTEN session: connect, LISTEN, ask for a poll, then hand every
+/// One LISTEN session: connect, check that the connection keeps its session
+/// (else [`Lost::Pooled`]), LISTEN, ask for a poll, then hand every
 /// notification to `wakeups` until the connection is lost (or, when only a
 /// writable server will do, its server takes no writes any more: checked
 /// every `check_every`). Ends `outage` once LISTENing. Meanwhile it holds the
@@ -371,6 +414,10 @@ async fn listen(
         Ok(connect(target).await?)
     })
     .await?;
+    let kept = session::keeps_session(target, &client, &mut connection, wakeups);
+    if !within(QUERY_TIMEOUT, kept).await? {
+        return Err(Lost::Pooled);
+    }
     within(
         QUERY_TIMEOUT,
         start_listening(&client, &mut connection, channel, wakeups),

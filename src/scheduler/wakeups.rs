@@ -90,6 +90,10 @@ impl Scheduler {
         if woken.poll {
             self.next_poll = self.next_poll.min(now);
         }
+        // The wake-up connection keeps no session: no notification comes.
+        if self.relay.wakeups.pooled() {
+            self.active(now);
+        }
         if woken.held && self.relay.config.wakeup == Wakeup::Sequence {
             let relay = self.relay.clone();
             self.watch.in_flight = Some(Box::pin(async move { relay.store.writers(&[]).await }));
@@ -118,10 +122,11 @@ impl Scheduler {
     }
 
     /// Rows flow (a notification, a sweep that published, a poll that found
-    /// rows): with `wakeup = sequence`, the relay watches the id sequence and
-    /// no longer asks writers to notify.
+    /// rows): with `wakeup = sequence` (or a wake-up connection that keeps
+    /// no session), the relay watches the id sequence and no longer asks
+    /// writers to notify.
     pub(super) fn active(&mut self, now: Instant) {
-        if self.relay.config.wakeup != Wakeup::Sequence {
+        if self.relay.config.wakeup != Wakeup::Sequence && !self.relay.wakeups.pooled() {
             return;
         }
         self.watch.active_at = now;
@@ -135,7 +140,8 @@ impl Scheduler {
 
     /// Starts the next read of the id sequence's position when due (see
     /// [`WATCH_TICK_BUSY`]), or, once it has stood still for [`WATCH_QUIET`]
-    /// with nothing to sweep, goes back to waiting for a notification.
+    /// with nothing to sweep, goes back to waiting for a notification (but
+    /// for a wake-up connection that keeps no session: none would come).
     /// Returns when to look again.
     pub(super) fn watch_turn(&mut self, now: Instant) -> Option<Instant> {
         if !self.watch.watching || self.watch.tick.is_some() {
@@ -144,7 +150,8 @@ impl Scheduler {
         // Quiet as a read found it: one answered a full WATCH_QUIET after the
         // last sign of rows flowing, not merely that long after (a relay
         // kept off the CPU for a while reads once more before it stops).
-        let quiet = self.watch.read_at >= self.watch.active_at + WATCH_QUIET
+        let quiet = !self.relay.wakeups.pooled()
+            && self.watch.read_at >= self.watch.active_at + WATCH_QUIET
             && self.sweeps.is_empty()
             && !self.schedule.has_ready()
             && self.candidates.is_empty();

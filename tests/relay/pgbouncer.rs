@@ -17,7 +17,7 @@ use crate::support::{Broker, Outbox, OwnedSchema, check_history, config, start_r
 /// Port of the instance pooling by transaction.
 pub const TRANSACTION_PORT: u16 = 6432;
 /// Port of the instance pooling by session.
-const SESSION_PORT: u16 = 6433;
+pub const SESSION_PORT: u16 = 6433;
 
 /// The `pool_mode` and `default_pool_size` the PgBouncer on `port` reports on
 /// its admin console.
@@ -249,13 +249,14 @@ async fn two_relays_on_two_tables_through_transaction_pooling() {
     // before its transaction ends, so none is left on the server
     // connections the pool hands to its next clients (in transaction
     // pooling, PgBouncer resets nothing between them).
-    let left = statements_left_in_the_pool(&url).await;
+    let left = on_every_server_connection(&url, "SELECT name FROM pg_prepared_statements").await;
     assert!(left.is_empty(), "statements left in the pool: {left:?}");
 }
 
-/// The prepared statements on each of the 2 server connections of the pool
-/// behind `url`: a transaction on each at once, so that both are asked.
-async fn statements_left_in_the_pool(url: &str) -> Vec<String> {
+/// What `sql` answers on each of the 2 server connections of the pool behind
+/// `url` (prepared statements, LISTENs left there): a transaction on each at
+/// once, so that both are asked.
+pub async fn on_every_server_connection(url: &str, sql: &'static str) -> Vec<String> {
     let mut clients = Vec::new();
     for _ in 0..2 {
         let (client, connection) = tokio_postgres::connect(url, NoTls)
@@ -278,7 +279,7 @@ async fn statements_left_in_the_pool(url: &str) -> Vec<String> {
                 .collect::<Vec<String>>()
         };
         servers.extend(values("SELECT pg_backend_pid()").await);
-        left.extend(values("SELECT name FROM pg_prepared_statements").await);
+        left.extend(values(sql).await);
     }
     servers.dedup();
     assert_eq!(servers.len(), 2, "both server connections asked");

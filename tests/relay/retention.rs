@@ -5,7 +5,10 @@
 
 use std::time::Duration;
 
-use crate::support::{Broker, Outbox, by_tenant, config, eventually, metric, start_relay, unique};
+use crate::support::{
+    Broker, DATABASE_URL, Outbox, OwnedRole, by_tenant, config, eventually, metric, relay_env,
+    set_env, spawn_relay, start_relay, unique,
+};
 
 /// Rows left in the table.
 async fn rows(outbox: &Outbox) -> i64 {
@@ -274,4 +277,127 @@ async fn retention_waits_its_turn_on_the_advisory_lock() {
     )
     .await;
     relay.stop().await;
+}
+
+/// A relay whose role has the runbook's grants but `DELETE`, with retention
+/// on: one ERROR at start names the privilege, the table, retention and the
+/// `GRANT`; the relay keeps relaying, and its refused rounds say nothing
+/// more. Granted, retention deletes; revoked again, the first refused round
+/// says the same ERROR once more, and only once. With autovacuum off (for
+/// the server, as on this machine, or for the table) one WARN says the space
+/// of deleted rows is never reused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_delete_retention_says_the_grant_once_and_relaying_goes_on() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let role = unique("relay_grants");
+    let _owned = OwnedRole::new(DATABASE_URL, &role);
+    outbox
+        .execute(&format!(
+            "CREATE ROLE \"{role}\" LOGIN; \
+             GRANT USAGE ON SCHEMA \"{schema}\" TO \"{role}\"; \
+             GRANT SELECT, UPDATE ON {{outbox}} TO \"{role}\"; \
+             GRANT SELECT ON SEQUENCE \"{schema}\".\"{table}_id_seq\" TO \"{role}\"; \
+             ALTER TABLE {{outbox}} SET (autovacuum_enabled = false)",
+            schema = outbox.schema,
+            table = outbox.table,
+        ))
+        .await;
+    let old = published_ago(&outbox, "a", 10, "1 hour").await;
+    let mut env = relay_env(&outbox, &broker, &["a"]);
+    set_env(
+        &mut env,
+        "OUTBOX_DATABASE_URL",
+        format!("postgres://{role}@127.0.0.1:5432/test"),
+    );
+    set_env(&mut env, "OUTBOX_RETENTION_MS", "2000"); // a round every second
+    let (relay, _) = spawn_relay(&env).await;
+    let fix = format!("fix: GRANT DELETE ON TABLE {}", outbox.qualified());
+    let fix = fix.replace('"', "\\\"");
+    relay.until_said("ERROR", &fix, 1).await;
+    let server_autovacuum: String = outbox
+        .client
+        .query_one("SHOW autovacuum", &[])
+        .await
+        .expect("SHOW autovacuum")
+        .get(0);
+    let place = if server_autovacuum == "off" {
+        "autovacuum is off for the server"
+    } else {
+        "autovacuum is off for the table"
+    };
+    relay.until_said("WARN", place, 1).await;
+
+    let ids = outbox.insert_many("a", 3).await;
+    eventually("rows are relayed", Duration::from_secs(10), || async {
+        broker.count() >= ids.len()
+    })
+    .await;
+    // Absence can only be watched for a while: three rounds.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(relay.said("ERROR", &fix), 1, "{}", relay.output());
+    assert_eq!(relay.said("WARN", "retention round failed"), 0);
+    assert_eq!(relay.said("WARN", "never reused"), 1);
+    assert_eq!(rows(&outbox).await, old.len() as i64 + 3, "nothing deleted");
+
+    let grant = format!("GRANT DELETE ON {{outbox}} TO \"{role}\"");
+    outbox.execute(&grant).await;
+    let old_left = || async {
+        let sql = format!(
+            "SELECT count(*) FROM {} WHERE id = ANY($1)",
+            outbox.qualified()
+        );
+        let left: i64 = outbox.client.query_one(&sql, &[&old]).await.unwrap().get(0);
+        left
+    };
+    eventually(
+        "the old rows are deleted once granted",
+        Duration::from_secs(10),
+        || async { old_left().await == 0 },
+    )
+    .await;
+    outbox
+        .execute(&format!("REVOKE DELETE ON {{outbox}} FROM \"{role}\""))
+        .await;
+    relay.until_said("ERROR", &fix, 2).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(relay.said("ERROR", &fix), 2, "once per refusal");
+    assert_eq!(relay.said("WARN", "retention round failed"), 0);
+}
+
+/// The check at start asks for what the configuration needs: with
+/// retention off, a role with `SELECT` on the table alone is told of
+/// `USAGE` on the schema and `UPDATE` on the table (relaying needs both),
+/// and not of `DELETE`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_check_at_start_names_each_grant_the_configuration_needs() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let role = unique("relay_grants");
+    let _owned = OwnedRole::new(DATABASE_URL, &role);
+    outbox
+        .execute(&format!(
+            "CREATE ROLE \"{role}\" LOGIN; GRANT SELECT ON {{outbox}} TO \"{role}\"",
+        ))
+        .await;
+    let mut env = relay_env(&outbox, &broker, &["a"]);
+    set_env(
+        &mut env,
+        "OUTBOX_DATABASE_URL",
+        format!("postgres://{role}@127.0.0.1:5432/test"),
+    );
+    set_env(&mut env, "OUTBOX_RETENTION_MS", "0");
+    let (relay, _) = spawn_relay(&env).await;
+    let fix = format!("fix: GRANT UPDATE ON TABLE {}", outbox.qualified());
+    relay
+        .until_said("ERROR", &fix.replace('"', "\\\""), 1)
+        .await;
+    let usage = format!("fix: GRANT USAGE ON SCHEMA \\\"{}\\\"", outbox.schema);
+    relay.until_said("ERROR", &usage, 1).await;
+    let output = relay.output();
+    assert!(output.contains("lacks UPDATE on TABLE"), "{output}");
+    assert_eq!(relay.said("ERROR", "lacks SELECT"), 0, "{output}");
+    assert!(output.contains("which relaying"), "{output}");
+    assert_eq!(relay.said("ERROR", "DELETE"), 0, "{output}");
+    assert_eq!(relay.said("WARN", "never reused"), 0, "retention is off");
 }

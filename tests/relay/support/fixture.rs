@@ -80,6 +80,48 @@ async fn drop_schema(url: String, schema: String) -> Result<(), String> {
     }
 }
 
+/// A role the test created (with a unique name): its sessions ended, what
+/// it owns and its grants dropped, and itself, when this goes out of scope.
+pub struct OwnedRole {
+    database_url: String,
+    role: String,
+}
+
+impl OwnedRole {
+    pub fn new(database_url: &str, role: &str) -> OwnedRole {
+        OwnedRole {
+            database_url: database_url.to_string(),
+            role: role.to_string(),
+        }
+    }
+}
+
+impl Drop for OwnedRole {
+    fn drop(&mut self) {
+        let (url, role) = (self.database_url.clone(), self.role.clone());
+        run_at_drop(&format!("role {role}"), async move {
+            let (client, connection) = tokio_postgres::connect(&url, NoTls)
+                .await
+                .map_err(|e| e.to_string())?;
+            tokio::spawn(connection);
+            client
+                .execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = $1",
+                    &[&role],
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            let role = role.replace('"', "\"\"");
+            client
+                .batch_execute(&format!(
+                    "DROP OWNED BY \"{role}\"; DROP ROLE IF EXISTS \"{role}\""
+                ))
+                .await
+                .map_err(|e| e.to_string())
+        });
+    }
+}
+
 /// Deletes `queues` and then `exchange` on the broker at `url`; a failed
 /// delete (which closes its channel) does not stop the others.
 pub fn delete_on_broker(url: &str, exchange: &str, queues: Vec<String>) {

@@ -20,7 +20,7 @@ pub mod services;
 
 pub use broker::{AMQP_URL, Broker, Received, by_tenant};
 pub use db::{DATABASE_URL, Outbox, RowState, pg_client};
-pub use fixture::OwnedSchema;
+pub use fixture::{OwnedRole, OwnedSchema};
 pub use history::check_history;
 pub use http::{http_get, metric};
 pub use in_process::{RelayHandle, config, start_relay};
