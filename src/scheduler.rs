@@ -190,6 +190,9 @@ struct Scheduler {
     next_check: Instant,
     /// The next read of `pg_locks` is not due before.
     next_locks_check: Instant,
+    /// The server instance (its start time) the writers' check recorded
+    /// holders and positions on.
+    writers_instance: Option<String>,
     watch: Watch,
 }
 
@@ -236,6 +239,7 @@ impl Scheduler {
             writers_check: None,
             next_check: Instant::now(),
             next_locks_check: Instant::now(),
+            writers_instance: None,
             watch: Watch::new(),
         }
     }

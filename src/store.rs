@@ -63,7 +63,7 @@ pub use poll::{Page, PendingTenant, Polled};
 pub use query::QUERY_TIMEOUT;
 pub(crate) use query::within;
 pub use read::FIELD_LIMIT;
-pub use sequence::{Watched, Writers};
+pub use sequence::{Holder, Watched, Writers};
 pub use table::Store;
 
 // Defined in `sql`; kept at these paths for the wake-up.

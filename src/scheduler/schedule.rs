@@ -314,6 +314,12 @@ impl Schedule {
         }
     }
 
+    /// Forgets every safe bound: they were found on another instance of
+    /// the server, or the check that keeps them could not run.
+    pub fn forget_safe(&mut self) {
+        self.safe.fill(i64::MIN);
+    }
+
     /// Whether `tenant` waits for the writers' check.
     pub fn is_deferred(&self, tenant: usize) -> bool {
         self.states[tenant] == State::Deferred

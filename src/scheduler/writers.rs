@@ -2,7 +2,9 @@
 //! flight (deferred) waits until they have ended: then every id of the
 //! tenant up to a known position is committed or gone (its safe bound).
 //! The check finds when, and paces itself by how long the youngest wait
-//! has lasted.
+//! has lasted. What it records (holders, positions, safe bounds) belongs to
+//! one instance of the server: a restart or a promotion, or a check that
+//! cannot run, drops it all, and the check starts again.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -11,7 +13,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use super::Scheduler;
-use crate::store::{StoreError, Writers};
+use crate::store::{Holder, StoreError, Writers};
 
 /// The writers' check in flight (see [`Store::writers`]): the tenants it asked
 /// about, and its answer.
@@ -50,7 +52,7 @@ pub(super) struct Candidate {
     position: Option<i64>,
     /// The transactions that held the tenant's writers' lock then: once all
     /// have ended, every id up to `position` is committed or gone.
-    holders: Vec<String>,
+    holders: Vec<Holder>,
     /// Since when the tenant has waited.
     since: Instant,
 }
@@ -114,11 +116,7 @@ impl Scheduler {
         } = found;
         let (position, free) = match free {
             Ok(free) => free,
-            Err(error) => {
-                tracing::debug!(%error, "the writers' check failed; trying again at the next poll interval");
-                self.next_check = now + self.relay.config.poll_interval();
-                return;
-            }
+            Err(error) => return self.check_failed(now, &error),
         };
         // A tenant with no writer in flight now: its ids up to the position
         // are committed or gone.
@@ -131,16 +129,18 @@ impl Scheduler {
         }
         let writers = match holders {
             Some(Ok(writers)) => writers,
-            Some(Err(error)) => {
-                tracing::debug!(%error, "the writers' check failed; trying again at the next poll interval");
-                self.next_check = now + self.relay.config.poll_interval();
-                return;
-            }
+            Some(Err(error)) => return self.check_failed(now, &error),
             None => {
                 self.pace_checks(now);
                 return;
             }
         };
+        if self.writers_instance.as_ref() != Some(&writers.started) {
+            // Another instance of the server (restarted, or another one
+            // promoted): what the last one held says nothing of this one.
+            self.forget_writers();
+            self.writers_instance = Some(writers.started);
+        }
         for (tenant, holders) in tenants.into_iter().zip(writers.tenants) {
             let Some(candidate) = self.candidates.get_mut(&tenant) else {
                 continue;
@@ -151,7 +151,10 @@ impl Scheduler {
                 self.schedule.cleared(tenant, writers.position);
                 self.relay.metrics.set_writer_wait(&name, Duration::ZERO);
             } else if let Some(position) = candidate.position
-                && candidate.holders.iter().all(|held| !holders.contains(held))
+                && candidate
+                    .holders
+                    .iter()
+                    .all(|held| !holders.iter().any(|holder| holder.is(held)))
             {
                 *candidate = Candidate {
                     position: Some(writers.position),
@@ -164,6 +167,13 @@ impl Scheduler {
                 if candidate.position.is_none() {
                     candidate.position = Some(writers.position);
                     candidate.holders = holders;
+                } else {
+                    // A holder recorded before its xid is known by it now.
+                    for held in &mut candidate.holders {
+                        if let Some(holder) = holders.iter().find(|holder| holder.is(held)) {
+                            *held = holder.clone();
+                        }
+                    }
                 }
                 self.relay
                     .metrics
@@ -171,6 +181,25 @@ impl Scheduler {
             }
         }
         self.pace_checks(now);
+    }
+
+    /// The writers' check could not run: what it recorded is dropped (see
+    /// [`Scheduler::forget_writers`]), and it runs again at the next poll
+    /// interval.
+    fn check_failed(&mut self, now: Instant, error: &StoreError) {
+        tracing::debug!(%error, "the writers' check failed; trying again at the next poll interval");
+        self.forget_writers();
+        self.writers_instance = None;
+        self.next_check = now + self.relay.config.poll_interval();
+    }
+
+    /// Drops every holder, position and safe bound the writers' check has
+    /// recorded: the deferred tenants wait on, and the check starts again.
+    fn forget_writers(&mut self) {
+        for candidate in self.candidates.values_mut() {
+            *candidate = Candidate::new(candidate.since);
+        }
+        self.schedule.forget_safe();
     }
 
     /// The next writers' check: a quarter of how long the youngest wait has

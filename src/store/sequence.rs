@@ -27,10 +27,47 @@ pub struct Writers {
     /// Where the id sequence stood just before the locks were read.
     pub position: i64,
     /// Every transaction holding a writers' lock of the table, any tenant.
-    pub all: Vec<String>,
+    pub all: Vec<Holder>,
     /// For each tenant asked about, in order: the transactions holding its
     /// writers' lock.
-    pub tenants: Vec<Vec<String>>,
+    pub tenants: Vec<Vec<Holder>>,
+    /// When the server started (`pg_postmaster_start_time()`): holders and
+    /// positions found belong to this instance of it.
+    pub started: String,
+}
+
+/// A transaction holding a writers' lock, as `pg_locks` names it: its
+/// `virtualtransaction`, and its xid once it has one. A prepared transaction
+/// keeps its xid across a restart or a failover, not its virtual one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holder {
+    vxid: String,
+    xid: Option<i64>,
+}
+
+impl Holder {
+    /// `<virtualtransaction>[ <xid>]`, as `store/writers.sql` names it.
+    fn parse(named: &str) -> Holder {
+        match named.split_once(' ') {
+            Some((vxid, xid)) => Holder {
+                vxid: vxid.into(),
+                xid: xid.parse().ok(),
+            },
+            None => Holder {
+                vxid: named.into(),
+                xid: None,
+            },
+        }
+    }
+
+    /// Whether this is the transaction `recorded` names: by its xid where
+    /// that has one, else by its virtual one.
+    pub fn is(&self, recorded: &Holder) -> bool {
+        match recorded.xid {
+            Some(xid) => self.xid == Some(xid),
+            None => self.vxid == recorded.vxid,
+        }
+    }
 }
 
 /// What a read of the id sequence found (see `store/sequence.sql`).
@@ -370,8 +407,8 @@ impl Store {
         if sequence == 0 {
             return Ok(Writers {
                 position: i64::MAX,
-                all: Vec::new(),
                 tenants: vec![Vec::new(); tenants.len()],
+                ..Writers::default()
             });
         }
         let lock_key: &str = &self.lock_key;
@@ -385,19 +422,22 @@ impl Store {
                     (&tenants, Type::TEXT_ARRAY),
                 ],
                 |row| {
+                    let holders = row.try_get::<_, Vec<String>>("holders")?;
                     Ok((
                         row.try_get::<_, Option<String>>("tenant")?.is_none(),
-                        row.try_get::<_, Vec<String>>("holders")?,
+                        holders.iter().map(|named| Holder::parse(named)).collect(),
                         row.try_get::<_, Option<i64>>("position")?,
+                        row.try_get::<_, Option<String>>("started")?,
                     ))
                 },
             )
             .await?;
         let mut writers = Writers::default();
-        for (overall, holders, position) in rows {
+        for (overall, holders, position, started) in rows {
             if overall {
                 writers.all = holders;
                 writers.position = position.unwrap_or_default();
+                writers.started = started.unwrap_or_default();
             } else {
                 writers.tenants.push(holders);
             }

@@ -14,15 +14,15 @@ use outbox_relay::store::Store;
 use tokio_postgres::{Client, NoTls};
 
 use crate::support::{
-    Broker, Outbox, PrivateServer, by_tenant, config, eventually, metric, private_cluster,
-    start_relay, unique,
+    Broker, Outbox, PrivateServer, RelayHandle, by_tenant, config, eventually, metric,
+    private_cluster, start_relay, unique,
 };
 
 /// The private cluster, with a database `test` and a role `preparer` that
 /// may insert into any outbox table the tests make and notifies never.
 struct Cluster {
     port: u16,
-    _server: PrivateServer,
+    server: PrivateServer,
 }
 
 fn cluster() -> &'static Cluster {
@@ -39,10 +39,13 @@ fn cluster() -> &'static Cluster {
         );
         Cluster {
             port: server.port,
-            _server: server,
+            server,
         }
     })
 }
+
+/// Only one test at a time uses the cluster: one restarts it.
+static CLUSTER_IN_USE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 impl Cluster {
     fn url(&self, user: &str) -> String {
@@ -58,9 +61,10 @@ impl Cluster {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prepared_transactions_commit_through_the_trigger_and_hold_back_only_later_rows() {
-    let cluster = tokio::task::spawn_blocking(cluster).await.expect("cluster");
+/// A migrated outbox table on the cluster that `preparer` may write into, a
+/// broker, and a relay of tenants `a` and `b`; the statement that inserts a
+/// row of tenant `$1` and returns its id.
+async fn relayed(cluster: &Cluster) -> (Outbox, Broker, RelayHandle, String) {
     let schema = unique("twophase");
     let mut migrate = Config::with_tenants(["migrate"]);
     migrate.database_url = cluster.url("postgres").parse().expect("url");
@@ -91,6 +95,29 @@ async fn prepared_transactions_commit_through_the_trigger_and_hold_back_only_lat
         "INSERT INTO {} (tenant_id, kind, subject_id, payload) VALUES ($1, 'k', $2, '{{}}') RETURNING id",
         outbox.qualified()
     );
+    (outbox, broker, relay, insert)
+}
+
+/// Inserts a row of `tenant` through `client` (`insert`, from [`relayed`]): its id.
+async fn insert_row(client: &Client, insert: &str, tenant: &str) -> i64 {
+    client
+        .query_one(insert, &[&tenant, &"s"])
+        .await
+        .expect("row inserted")
+        .get(0)
+}
+
+/// Whether the relay shows tenant `a` waiting for its writers in flight.
+async fn a_waits(relay: &RelayHandle) -> bool {
+    let (_, text) = relay.get("/metrics").await;
+    metric(&text, "outbox_writer_wait_seconds{tenant=\"a\"}").is_some_and(|s| s > 0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prepared_transactions_commit_through_the_trigger_and_hold_back_only_later_rows() {
+    let _cluster = CLUSTER_IN_USE.lock().await;
+    let cluster = tokio::task::spawn_blocking(cluster).await.expect("cluster");
+    let (outbox, broker, relay, insert) = relayed(cluster).await;
     // The relay waits for notifications (the table is quiet): a writer
     // without the setting notifies, and cannot prepare.
     let plain = cluster.client("postgres").await;
@@ -158,10 +185,7 @@ async fn prepared_transactions_commit_through_the_trigger_and_hold_back_only_lat
     eventually(
         "the tenant's wait for the prepared transaction shows",
         Duration::from_secs(20),
-        || async {
-            let (_, text) = relay.get("/metrics").await;
-            metric(&text, "outbox_writer_wait_seconds{tenant=\"a\"}").is_some_and(|s| s > 0.0)
-        },
+        || a_waits(&relay),
     )
     .await;
     assert!(
@@ -187,5 +211,73 @@ async fn prepared_transactions_commit_through_the_trigger_and_hold_back_only_lat
         metric(&text, "outbox_writer_wait_seconds{tenant=\"a\"}") == Some(0.0)
     })
     .await;
+    relay.stop().await;
+}
+
+/// A prepared transaction survives a restart of the server (recovered at
+/// start-up, with a new virtual transaction id): the relay still counts it
+/// as a writer of its tenant in flight, so the tenant's later rows, committed
+/// before and after the restart, wait until it is committed, and then
+/// everything arrives in id order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepared_transaction_holds_its_tenant_across_a_restart() {
+    let _cluster = CLUSTER_IN_USE.lock().await;
+    let cluster = tokio::task::spawn_blocking(cluster).await.expect("cluster");
+    let (outbox, broker, relay, insert) = relayed(cluster).await;
+    let gid = unique("restart");
+    let preparer = cluster.client("preparer").await;
+    preparer.batch_execute("BEGIN").await.unwrap();
+    let prepared = insert_row(&preparer, &insert, "a").await;
+    preparer
+        .batch_execute(&format!("PREPARE TRANSACTION '{gid}'"))
+        .await
+        .expect("prepared");
+    let before = insert_row(&outbox.client, &insert, "a").await;
+    eventually(
+        "the tenant waits for the prepared transaction",
+        Duration::from_secs(20),
+        || a_waits(&relay),
+    )
+    .await;
+
+    tokio::task::spawn_blocking(|| cluster.server.restart())
+        .await
+        .expect("restarted");
+    let outbox = outbox.sharing(cluster.client("postgres").await);
+    let after = insert_row(&outbox.client, &insert, "a").await;
+    let other = insert_row(&outbox.client, &insert, "b").await;
+    eventually(
+        "the other tenant goes on after the restart",
+        Duration::from_secs(30),
+        || async { outbox.row(other).await.published },
+    )
+    .await;
+    // The relay has swept and checked the tenant's writers since: for two
+    // seconds more, its later rows stay behind the prepared one.
+    let watched = tokio::time::Instant::now();
+    while watched.elapsed() < Duration::from_secs(2) {
+        for id in [before, after] {
+            assert!(
+                !outbox.row(id).await.published,
+                "row {id} waits for the prepared transaction's lower id {prepared}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(a_waits(&relay).await, "the wait shows");
+
+    outbox
+        .client
+        .batch_execute(&format!("COMMIT PREPARED '{gid}'"))
+        .await
+        .expect("commit prepared");
+    eventually(
+        "the tenant's rows arrive",
+        Duration::from_secs(30),
+        || async { outbox.all_pending().await == 0 && broker.count() >= 4 },
+    )
+    .await;
+    let received = by_tenant(&broker.received());
+    assert_eq!(received["a"], [prepared, before, after], "in id order");
     relay.stop().await;
 }

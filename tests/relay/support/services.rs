@@ -2,8 +2,9 @@
 //! cluster made with the machine's `initdb`, started on a free port and
 //! stopped when the test process exits, and commands run as `postgres`.
 
+use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -80,10 +81,13 @@ pub fn private_cluster(what: &str, prefix: &str, settings: &[&str]) -> PrivateSe
 /// [`initdb`]). Its shell parent stops it, and removes its directory, when
 /// this process exits and its stdin closes.
 pub struct PrivateServer {
+    what: String,
     pub port: u16,
     /// Its Unix socket's directory, where its log is too.
     pub socket_dir: String,
-    _stdin: Mutex<ChildStdin>,
+    /// Its shell parent's stdin (a line restarts the server) and stdout
+    /// (the answer).
+    control: Mutex<(ChildStdin, BufReader<ChildStdout>)>,
     _child: Mutex<Child>,
 }
 
@@ -104,11 +108,21 @@ impl PrivateServer {
         let script = r#"
             postgres=$1 data=$2 port=$3 sockets=$4 remove=$5
             shift 5
-            "$postgres" -D "$data" -p "$port" -c listen_addresses=127.0.0.1 \
-              -c unix_socket_directories="$sockets" -c fsync=off "$@" \
-              >"$sockets/postgres.log" 2>&1 &
-            pid=$!
-            cat >/dev/null
+            start() {
+              "$postgres" -D "$data" -p "$port" -c listen_addresses=127.0.0.1 \
+                -c unix_socket_directories="$sockets" -c fsync=off "$@" \
+                >>"$sockets/postgres.log" 2>&1 &
+              pid=$!
+            }
+            start "$@"
+            # Each line read restarts it (a fast shutdown, as pg_ctl
+            # restart -m fast), and is answered once it stopped.
+            while read -r _; do
+              kill -INT "$pid"
+              wait "$pid"
+              start "$@"
+              echo stopped
+            done
             kill -INT "$pid"
             wait "$pid"
             rm -rf "$remove"
@@ -120,31 +134,55 @@ impl PrivateServer {
         args.extend(settings.iter().map(String::as_str));
         let mut child = as_postgres(&args)
             .stdin(Stdio::piped())
-            .stdout(Stdio::null())
+            .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
             .expect("postgres starts");
         let stdin = child.stdin.take().expect("stdin");
-        let pg_isready = bin.join("pg_isready").display().to_string();
+        let stdout = BufReader::new(child.stdout.take().expect("stdout"));
+        let server = PrivateServer {
+            what: what.to_string(),
+            port,
+            socket_dir: socket_dir.to_string(),
+            control: Mutex::new((stdin, stdout)),
+            _child: Mutex::new(child),
+        };
+        server.wait_ready();
+        server
+    }
+
+    /// Waits until the server accepts connections (30 s at most).
+    fn wait_ready(&self) {
+        let pg_isready = postgres_bin().join("pg_isready").display().to_string();
+        let port = self.port.to_string();
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         while !Command::new(&pg_isready)
-            .args(["-q", "-h", socket_dir, "-p", &port_text])
+            .args(["-q", "-h", &self.socket_dir, "-p", &port])
             .status()
             .is_ok_and(|s| s.success())
         {
             assert!(
                 std::time::Instant::now() < deadline,
-                "the {what} did not start within 30 s: {}",
-                std::fs::read_to_string(format!("{socket_dir}/postgres.log")).unwrap_or_default()
+                "the {} did not start within 30 s: {}",
+                self.what,
+                std::fs::read_to_string(format!("{}/postgres.log", self.socket_dir))
+                    .unwrap_or_default()
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        PrivateServer {
-            port,
-            socket_dir: socket_dir.to_string(),
-            _stdin: Mutex::new(stdin),
-            _child: Mutex::new(child),
-        }
+    }
+
+    /// Restarts the server (a fast shutdown, every session cut, then a
+    /// start on the same port) and waits until it accepts connections.
+    pub fn restart(&self) {
+        let mut control = self.control.lock().unwrap_or_else(|e| e.into_inner());
+        let (stdin, stdout) = &mut *control;
+        writeln!(stdin, "restart").expect("restart asked");
+        let mut answer = String::new();
+        stdout.read_line(&mut answer).expect("restart answered");
+        assert_eq!(answer.trim(), "stopped", "the {} stops", self.what);
+        drop(control);
+        self.wait_ready();
     }
 
     /// Runs `sql` with psql as `postgres` over the Unix socket, in
