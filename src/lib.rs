@@ -256,7 +256,8 @@ async fn migrate_until_done(relay: &Relay, stop: Shutdown) -> bool {
 }
 
 /// Checks the table once the database answers (retrying with back-off until
-/// then, or until shutdown) and warns once about each thing it lacks.
+/// then, or until shutdown) and warns once about each thing it lacks; then
+/// names the configured tenants that share a claim key (see `store::twins`).
 async fn warn_about_schema(relay: Arc<Relay>, stop: Shutdown) {
     let backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
     let mut failures = 0;
@@ -278,6 +279,12 @@ async fn warn_about_schema(relay: Arc<Relay>, stop: Shutdown) {
     };
     for missing in &report.missing {
         tracing::warn!(schema = %relay.config.schema, table = %relay.config.table, "{missing}");
+    }
+    // Discovered tenants' twins are found by their claims.
+    if let config::Tenants::Listed(tenants) = &relay.config.tenants
+        && let Err(error) = relay.store.find_twins(tenants).await
+    {
+        tracing::warn!(%error, "cannot check which tenants share a hashtext value");
     }
 }
 

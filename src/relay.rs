@@ -431,12 +431,13 @@ impl Relay {
 
     /// Reads the next batch ahead when the claim's last is full and may be
     /// followed in the same transaction: no tenant waits, the relay is not
-    /// stopping, the claim holds fewer than [`CHAINED_BATCHES`], and the
+    /// stopping, no tenant sharing the claim key (a twin) had rows pending
+    /// at the claim, the claim holds fewer than [`CHAINED_BATCHES`], and the
     /// byte budget has a share free now (taken without waiting, and never
     /// ahead of a sweep that waits).
     fn read_ahead(&self, claim: &Claim, batches: usize) -> Option<Reservation> {
         let full = claim.batch().len() == self.config.batch_size && !claim.cut_by_budget();
-        if !full || batches >= CHAINED_BATCHES || !self.may_chain() {
+        if !full || batches >= CHAINED_BATCHES || !self.may_chain() || claim.twin_pending() {
             return None;
         }
         let reserved = self.budget.try_reserve(self.budget_share)?;

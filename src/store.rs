@@ -35,8 +35,8 @@
 //! text), `query` (deadlines, one-statement round trips), `read` (a
 //! batch's read and its rows' decoding), `claim` (the claim, its marks and
 //! reads sent ahead, its settlement), `poll`, `lag`, `sequence` (the
-//! claim's fence), `lifecycle` (`requeue`, `discard`, `replay`),
-//! `columns`, and `error`.
+//! claim's fence), `twins` (tenants that share a claim key), `lifecycle`
+//! (`requeue`, `discard`, `replay`), `columns`, and `error`.
 
 mod claim;
 mod columns;
@@ -50,6 +50,7 @@ mod read;
 mod sequence;
 mod statements;
 mod table;
+mod twins;
 
 pub use claim::{Claim, KeptPending, Parked, Settled};
 pub use columns::Drift;
