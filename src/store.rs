@@ -58,7 +58,7 @@ pub use connect::{CONNECT_TIMEOUT, POOL_WAIT_TIMEOUT};
 pub(crate) use connect::{TlsStream, connect, session_keepalives};
 pub use error::StoreError;
 pub(crate) use error::describe;
-pub use lag::{TenantLag, TenantStatus};
+pub use lag::{TenantLag, TenantStatus, Writer};
 pub use lifecycle::{Changed, LifecycleError};
 pub use poll::{Page, PendingTenant, Polled};
 pub use query::QUERY_TIMEOUT;

@@ -56,6 +56,7 @@ pub(super) const DEALLOCATE: &str = "DEALLOCATE outbox_relay_read; DEALLOCATE ou
 pub(super) const CLAIM: &str = include_str!("claim.sql");
 pub(super) const CLAIM_TURN: &str = include_str!("claim_turn.sql");
 pub(super) const TWINS: &str = include_str!("twins.sql");
+pub(super) const TENANT_WRITERS: &str = include_str!("tenant_writers.sql");
 pub(super) const COLUMNS: &str = include_str!("columns.sql");
 pub(super) const SEQUENCE: &str = include_str!("sequence.sql");
 pub(super) const WRITERS: &str = include_str!("writers.sql");
