@@ -1,6 +1,7 @@
 //! One sweep of one tenant: claim it, publish its batch, settle what the
-//! broker confirmed. While no other tenant waits for a sweep, a full batch's
-//! successor is read ahead in the same transaction as the batch is
+//! broker confirmed. While no other tenant waits for a sweep (and no twin of
+//! the tenant, a name sharing its claim key, has rows pending), a full
+//! batch's successor is read ahead in the same transaction as the batch is
 //! published, and goes out right behind it, in the same window (up to
 //! [`CHAINED_BATCHES`] in one transaction): the broker does not idle while
 //! the database reads, nor while a batch's last confirms come back.

@@ -177,7 +177,11 @@ fn writers_in_flight(status: &TenantStatus, width: usize) -> String {
 fn describe(writer: &Writer) -> String {
     let open = match (&writer.xact_start, writer.open_ms) {
         (Some(at), Some(ms)) => format!("transaction open for {} (since {at})", human_ms(ms)),
-        _ => "its transaction's start not shown to this role".to_string(),
+        // Idle with a session-level lock, or another role's session.
+        _ => {
+            "no transaction start shown (a session-level lock, or a session this role may not see)"
+                .to_string()
+        }
     };
     match (
         &writer.gid,

@@ -15,6 +15,7 @@ use super::columns::{self, Raw};
 use super::query::{deadline, mark_ids, update_ids};
 use super::read::{PayloadOf, RETAINED_READ_MAX, ReadRows, read_bytes};
 use super::statements::{BEGIN, CLAIM, CLAIM_TURN, DEALLOCATE};
+use super::twins::CLAIM_TURN_WAIT;
 use super::{Store, StoreError};
 use crate::domain::{BatchReport, Lease, OutboxRow, Payload};
 
@@ -193,7 +194,8 @@ impl Store {
         waits: bool,
     ) -> Result<(), tokio_postgres::Error> {
         if waits {
-            let (lock_key, turn_ms): (&str, &str) = (&self.lock_key, &self.claim_turn_ms);
+            let lock_key: &str = &self.lock_key;
+            let turn_ms = CLAIM_TURN_WAIT.as_millis().to_string();
             let params: [(&(dyn ToSql + Sync), Type); 3] = [
                 (&lock_key, Type::TEXT),
                 (&tenant, Type::TEXT),

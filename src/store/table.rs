@@ -41,9 +41,6 @@ pub struct Store {
     pub(super) sequence_seen: Arc<Mutex<PositionSeen>>,
     /// Tenants that share a claim key (see `twins`).
     pub(super) twins: Arc<Mutex<Twins>>,
-    /// How long a tenant with a known twin waits for its turn at the claim,
-    /// in ms: the poll interval, after which the poll tries it again.
-    pub(super) claim_turn_ms: Arc<str>,
 }
 
 impl Store {
@@ -75,7 +72,6 @@ impl Store {
             sequence: Arc::new(AtomicI64::new(SEQUENCE_UNKNOWN)),
             sequence_seen: Arc::default(),
             twins: Arc::default(),
-            claim_turn_ms: config.poll_ms.to_string().into(),
         })
     }
 

@@ -10,10 +10,19 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio_postgres::types::Type;
 
 use super::{Store, StoreError};
+
+/// How long the claim of a tenant with a known twin waits for its turn
+/// (`claim_turn.sql`): a waiting sweep gets the key as soon as the twin's
+/// transaction ends, so the bound only limits how long a slot waits for a
+/// claim held that long (a relay cut off mid-sweep); past it the sweep is
+/// skipped, and the poll readies the tenant again. Well within the claim's
+/// deadline ([`QUERY_TIMEOUT`](super::QUERY_TIMEOUT)).
+pub(super) const CLAIM_TURN_WAIT: Duration = Duration::from_secs(1);
 
 /// The tenants whose hash is known, by name and by hash, and the pairs
 /// already named.
