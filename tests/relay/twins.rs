@@ -143,3 +143,94 @@ async fn discovered_twins_are_named_once_at_their_first_sweep() {
         "one WARN names the pair: {warnings:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_twins_waiting_claim_goes_before_the_next_claim_of_the_other_whatever_the_relay() {
+    use outbox_relay::store::Store;
+
+    let outbox = Outbox::create().await;
+    let backlogged = outbox.insert_many(BACKLOGGED, 3).await;
+    let twin = outbox.insert_many(TWIN, 2).await;
+    // Two relays' stores over the table, each configured with both names.
+    let store = || {
+        let mut config = outbox_relay::config::Config::with_tenants([BACKLOGGED, TWIN]);
+        config.database_url = crate::support::DATABASE_URL.parse().expect("url");
+        config.schema = outbox.schema.clone();
+        config.table = outbox.table.clone();
+        Store::new(&config).expect("store")
+    };
+    let (first, second) = (store(), store());
+    let names = [BACKLOGGED.to_string(), TWIN.to_string()];
+    for relay in [&first, &second] {
+        relay.find_twins(&names).await.expect("the check at start");
+    }
+    let waiting = async || -> i64 {
+        outbox
+            .client
+            .query_one(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 \
+                 AND NOT granted AND objid::bigint = (hashtext($1)::bigint & 4294967295)",
+                &[&TWIN],
+            )
+            .await
+            .expect("pg_locks")
+            .get(0)
+    };
+
+    // The first relay holds the backlogged tenant; the second's sweep of the
+    // twin waits its turn instead of being skipped, and then the first
+    // relay's next claim of the backlogged tenant waits behind it.
+    let held = first
+        .claim(BACKLOGGED, 1 << 20, i64::MIN)
+        .await
+        .expect("claim")
+        .expect("taken");
+    assert_eq!(
+        held.rows().iter().map(|r| r.id).collect::<Vec<_>>(),
+        backlogged
+    );
+    assert!(
+        held.twin_pending(),
+        "the twin has rows pending: no chaining"
+    );
+    let twin_claim = tokio::spawn({
+        let second = second.clone();
+        async move { second.claim(TWIN, 1 << 20, i64::MIN).await }
+    });
+    eventually("the twin's claim waits", Duration::from_secs(5), || async {
+        waiting().await == 1
+    })
+    .await;
+    let next = tokio::spawn({
+        let first = first.clone();
+        async move { first.claim(BACKLOGGED, 1 << 20, i64::MIN).await }
+    });
+    eventually(
+        "the next claim waits too",
+        Duration::from_secs(5),
+        || async { waiting().await == 2 },
+    )
+    .await;
+    held.rollback().await.expect("rollback");
+    let twin_held = twin_claim
+        .await
+        .expect("task")
+        .expect("claim")
+        .expect("the twin's turn");
+    assert_eq!(
+        twin_held.rows().iter().map(|r| r.id).collect::<Vec<_>>(),
+        twin
+    );
+    assert!(
+        !next.is_finished(),
+        "the backlogged tenant waits for the twin's transaction"
+    );
+    twin_held.rollback().await.expect("rollback");
+    let again = next
+        .await
+        .expect("task")
+        .expect("claim")
+        .expect("its turn next");
+    assert_eq!(again.rows().len(), 3);
+    again.rollback().await.expect("rollback");
+}
