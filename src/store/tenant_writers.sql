@@ -1,9 +1,9 @@
 -- Who holds each of these tenants' writers' lock (see claim.sql), for
 -- `outbox-relay status`: a tenant whose rows wait for writers in flight is
 -- shown with them. pg_locks is read once. A holder's advisory row carries no
--- transaction id: its xid is the `transactionid` lock of the same
--- virtualtransaction, and a prepared transaction is the row of
--- pg_prepared_xacts with that xid (its pid is NULL; the runbook's query
+-- transaction id: its xid is among the `transactionid` locks of the same
+-- virtualtransaction (with those of its subtransactions), and a prepared
+-- transaction is the row of pg_prepared_xacts with that xid (its pid is NULL; the runbook's query
 -- joins the same way). `twins`: the other tenants given whose names share the
 -- tenant's hashtext, and so its writers' lock: the holder may be a writer of
 -- theirs. $1 = '<schema>.<table>', $2 = the tenants. One row per tenant and
@@ -35,8 +35,9 @@ SELECT t.n,
 FROM tenants t
 LEFT JOIN locks w
        ON w.locktype = 'advisory' AND w.objid::bigint = (t.hash::bigint & 4294967295)
-LEFT JOIN locks x
-       ON x.locktype = 'transactionid' AND x.virtualtransaction = w.virtualtransaction
-LEFT JOIN pg_prepared_xacts p ON p.transaction = x.transactionid
+LEFT JOIN pg_prepared_xacts p
+       ON p.transaction IN (SELECT x.transactionid FROM locks x
+                            WHERE x.locktype = 'transactionid'
+                              AND x.virtualtransaction = w.virtualtransaction)
 LEFT JOIN pg_stat_activity a ON a.pid = w.pid
 ORDER BY t.n, p.prepared, a.xact_start

@@ -275,6 +275,11 @@ async fn status_names_the_open_and_prepared_writers_that_hold_a_tenant_and_a_twi
     let open_pid = pid_of(&open).await;
     open.batch_execute("BEGIN").await.unwrap();
     open.query_one(&insert, &[&"held", &"open"]).await.unwrap();
+    // A subtransaction's xid beside the transaction's: still one writer.
+    open.batch_execute("SAVEPOINT nested").await.unwrap();
+    open.query_one(&insert, &[&"held", &"nested"])
+        .await
+        .unwrap();
     // The twins: tenant-109170's writer stays open; tenant-134154 committed.
     let twin_writer = cluster.client("preparer").await;
     let twin_pid = pid_of(&twin_writer).await;
