@@ -263,11 +263,11 @@ async fn warn_about_schema(relay: Arc<Relay>, stop: Shutdown) {
     let mut failures = 0;
     let report = loop {
         match migrate::check_schema(&relay.store, &relay.config).await {
-            Ok(report) => break report,
+            Ok(report) => break Some(report),
             Err(error) if error.is_unreachable() => {}
             Err(error) => {
                 tracing::warn!(%error, "cannot check the outbox table's columns, index and trigger");
-                return;
+                break None;
             }
         }
         let delay = backoff.delay(failures);
@@ -277,7 +277,7 @@ async fn warn_about_schema(relay: Arc<Relay>, stop: Shutdown) {
             () = stop.clone().fired() => return,
         }
     };
-    for missing in &report.missing {
+    for missing in report.iter().flat_map(|report| &report.missing) {
         tracing::warn!(schema = %relay.config.schema, table = %relay.config.table, "{missing}");
     }
     // Discovered tenants' twins are found by their claims.
