@@ -265,7 +265,8 @@ async fn migrate_until_done(relay: &Relay, stop: Shutdown) -> bool {
 
 /// Checks the table once the database answers (retrying with back-off until
 /// then, or until shutdown) and warns once about each thing it lacks; then
-/// the grants the configuration needs (see [`grants`]).
+/// the grants the configuration needs (see [`grants`]); then names the
+/// configured tenants that share a claim key (see `store::twins`).
 async fn warn_about_schema(relay: Arc<Relay>, stop: Shutdown, retention: Arc<retention::Denied>) {
     let backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
     let mut failures = 0;
@@ -292,24 +293,31 @@ async fn warn_about_schema(relay: Arc<Relay>, stop: Shutdown, retention: Arc<ret
             () = stop.clone().fired() => return,
         }
     }
-    let grants = match grants::check(&relay.store, &relay.config).await {
-        Ok(grants) => grants,
-        Err(error) => return tracing::warn!(%error, "cannot check the relay's grants"),
-    };
-    for missing in &grants.missing {
-        tracing::error!(%schema, %table, "{missing}");
+    match grants::check(&relay.store, &relay.config).await {
+        Ok(grants) => {
+            for missing in &grants.missing {
+                tracing::error!(%schema, %table, "{missing}");
+            }
+            if grants.retention_denied() {
+                retention.refused();
+            }
+            if let Some(place) = grants.autovacuum_off {
+                tracing::warn!(
+                    %schema,
+                    %table,
+                    "retention_ms > 0 but autovacuum is off for {place}: the space of deleted \
+                     rows is never reused, and the table keeps its size on disk; turn autovacuum \
+                     on, or VACUUM the table regularly"
+                );
+            }
+        }
+        Err(error) => tracing::warn!(%error, "cannot check the relay's grants"),
     }
-    if grants.retention_denied() {
-        retention.refused();
-    }
-    if let Some(place) = grants.autovacuum_off {
-        tracing::warn!(
-            %schema,
-            %table,
-            "retention_ms > 0 but autovacuum is off for {place}: the space of deleted rows is \
-             never reused, and the table keeps its size on disk; turn autovacuum on, or VACUUM \
-             the table regularly"
-        );
+    // Discovered tenants' twins are found by their claims.
+    if let config::Tenants::Listed(tenants) = &relay.config.tenants
+        && let Err(error) = relay.store.find_twins(tenants).await
+    {
+        tracing::warn!(%error, "cannot check which tenants share a hashtext value");
     }
 }
 

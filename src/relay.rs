@@ -1,6 +1,7 @@
 //! One sweep of one tenant: claim it, publish its batch, settle what the
-//! broker confirmed. While no other tenant waits for a sweep, a full batch's
-//! successor is read ahead in the same transaction as the batch is
+//! broker confirmed. While no other tenant waits for a sweep (and no twin of
+//! the tenant, a name sharing its claim key, has rows pending), a full
+//! batch's successor is read ahead in the same transaction as the batch is
 //! published, and goes out right behind it, in the same window (up to
 //! [`CHAINED_BATCHES`] in one transaction): the broker does not idle while
 //! the database reads, nor while a batch's last confirms come back.
@@ -431,12 +432,13 @@ impl Relay {
 
     /// Reads the next batch ahead when the claim's last is full and may be
     /// followed in the same transaction: no tenant waits, the relay is not
-    /// stopping, the claim holds fewer than [`CHAINED_BATCHES`], and the
+    /// stopping, no tenant sharing the claim key (a twin) had rows pending
+    /// at the claim, the claim holds fewer than [`CHAINED_BATCHES`], and the
     /// byte budget has a share free now (taken without waiting, and never
     /// ahead of a sweep that waits).
     fn read_ahead(&self, claim: &Claim, batches: usize) -> Option<Reservation> {
         let full = claim.batch().len() == self.config.batch_size && !claim.cut_by_budget();
-        if !full || batches >= CHAINED_BATCHES || !self.may_chain() {
+        if !full || batches >= CHAINED_BATCHES || !self.may_chain() || claim.twin_pending() {
             return None;
         }
         let reserved = self.budget.try_reserve(self.budget_share)?;

@@ -1,11 +1,12 @@
 //! `outbox-relay status`: each tenant's pending and parked rows, lag and blocking row,
-//! as a table for people or JSON for scripts. Exit 1 when any tenant is past
-//! `max_lag_ms`, so a cron job or a CI step can use it as a check.
+//! or the writers in flight it waits for, as a table for people or JSON for
+//! scripts. Exit 1 when any tenant is past `max_lag_ms`, so a cron job or a CI
+//! step can use it as a check.
 
 use serde::Serialize;
 
 use crate::printable::fit;
-use crate::store::TenantStatus;
+use crate::store::{TenantStatus, Writer};
 
 /// The widest `last_error` shown in the table (JSON has it whole).
 const ERROR_WIDTH: usize = 72;
@@ -26,16 +27,38 @@ pub struct Line {
     #[serde(flatten)]
     pub status: TenantStatus,
     pub lagging: bool,
+    /// Its pending rows wait for writers in flight (`status.writers`), not
+    /// for a row of its own: the blocking row is left empty.
+    pub waits_for_writers: bool,
+}
+
+impl Line {
+    /// A tenant with rows pending whose oldest was never tried, while a
+    /// transaction holds its writers' lock, waits for that writer (the
+    /// relay publishes nothing above an id a writer in flight may still
+    /// commit): its writers are named and its blocking row left empty.
+    /// Otherwise its blocking row is its own, and no writer is named.
+    fn new(mut status: TenantStatus, max_lag_ms: u64) -> Line {
+        let untried = status.attempts == Some(0) && status.last_error.is_none();
+        let waits_for_writers = status.pending > 0 && untried && !status.writers.is_empty();
+        if waits_for_writers {
+            (status.oldest_id, status.attempts) = (None, None);
+        } else {
+            status.writers.clear();
+        }
+        Line {
+            lagging: u64::try_from(status.lag_ms).unwrap_or(0) > max_lag_ms,
+            status,
+            waits_for_writers,
+        }
+    }
 }
 
 impl Report {
     pub fn new(max_lag_ms: u64, tenants: Vec<TenantStatus>) -> Report {
         let tenants: Vec<Line> = tenants
             .into_iter()
-            .map(|status| Line {
-                lagging: u64::try_from(status.lag_ms).unwrap_or(0) > max_lag_ms,
-                status,
-            })
+            .map(|status| Line::new(status, max_lag_ms))
             .collect();
         Report {
             max_lag_ms,
@@ -81,9 +104,11 @@ impl Report {
                 lag,
                 s.oldest_id.map_or_else(|| "-".into(), |id| id.to_string()),
                 s.attempts.map_or_else(|| "-".into(), |a| a.to_string()),
-                s.last_error
-                    .as_deref()
-                    .map_or_else(|| "-".into(), |e| fit(e, width)),
+                match &s.last_error {
+                    _ if line.waits_for_writers => "waits for writers in flight (below)".into(),
+                    Some(e) => fit(e, width),
+                    None => "-".into(),
+                },
             ]);
         }
         let widths: Vec<usize> = (0..7)
@@ -105,6 +130,9 @@ impl Report {
             out.push_str(cells.join("  ").trim_end());
             out.push('\n');
         }
+        for line in self.tenants.iter().filter(|t| t.waits_for_writers) {
+            out.push_str(&writers_in_flight(&line.status, tenant_width));
+        }
         let lagging = self.tenants.iter().filter(|t| t.lagging).count();
         if lagging > 0 {
             out.push_str(&format!(
@@ -119,6 +147,56 @@ impl Report {
             ));
         }
         out
+    }
+}
+
+/// The writers in flight a tenant waits for, one a line: a session by its
+/// pid and how long its transaction has been open, a prepared transaction
+/// by its gid and when it was prepared; a tenant with twins says that the
+/// writer may be a twin's.
+fn writers_in_flight(status: &TenantStatus, width: usize) -> String {
+    let tenant = fit(&status.tenant, width);
+    let mut out = format!("{tenant} waits for writers in flight:\n");
+    let whose = match status.twins.as_slice() {
+        [] => String::new(),
+        twins => {
+            let twins: Vec<String> = twins.iter().map(|t| fit(t, width)).collect();
+            format!(
+                " (a writer of {tenant} or of its colliding tenant {}: one writers' lock)",
+                twins.join(", ")
+            )
+        }
+    };
+    for writer in &status.writers {
+        out.push_str(&format!("  {}{whose}\n", describe(writer)));
+    }
+    out
+}
+
+/// A writer in flight in words.
+fn describe(writer: &Writer) -> String {
+    let open = match (&writer.xact_start, writer.open_ms) {
+        (Some(at), Some(ms)) => format!("transaction open for {} (since {at})", human_ms(ms)),
+        // Idle with a session-level lock, or another role's session.
+        _ => {
+            "no transaction start shown (a session-level lock, or a session this role may not see)"
+                .to_string()
+        }
+    };
+    match (
+        &writer.gid,
+        &writer.prepared,
+        writer.prepared_ms,
+        writer.pid,
+    ) {
+        (Some(gid), Some(at), Some(ms), _) => format!(
+            "prepared transaction '{}', prepared {} ago ({at})",
+            fit(gid, usize::MAX),
+            human_ms(ms)
+        ),
+        (Some(gid), ..) => format!("prepared transaction '{}'", fit(gid, usize::MAX)),
+        (None, _, _, Some(pid)) => format!("pid {pid}, {open}"),
+        (None, _, _, None) => "a transaction with neither a pid nor a gid".to_string(),
     }
 }
 
@@ -149,6 +227,8 @@ mod tests {
             attempts: blocking.map(|b| b.1),
             last_error: blocking.and_then(|b| (!b.2.is_empty()).then(|| b.2.to_string())),
             parked: 0,
+            twins: Vec::new(),
+            writers: Vec::new(),
         }
     }
 
@@ -252,6 +332,66 @@ mod tests {
         let wide = report.table(true).lines().nth(1).unwrap().to_string();
         assert!(wide.ends_with(&long), "--wide shows it whole: {wide}");
         assert!(report.json().contains(&long));
+    }
+
+    #[test]
+    fn a_tenant_held_by_writers_in_flight_names_them_and_shows_no_blocking_row() {
+        let mut held = status("b", 2, 31_000, Some((9, 0, "")));
+        held.twins = vec!["a".into()];
+        held.writers = vec![
+            Writer {
+                pid: Some(4711),
+                xact_start: Some("2026-12-06T10:00:00Z".into()),
+                open_ms: Some(31_200),
+                gid: None,
+                prepared: None,
+                prepared_ms: None,
+            },
+            Writer {
+                pid: None,
+                xact_start: None,
+                open_ms: None,
+                gid: Some("order-7".into()),
+                prepared: Some("2026-12-06T10:00:01Z".into()),
+                prepared_ms: Some(30_000),
+            },
+        ];
+        // A refused oldest row is the tenant's own blocker, writers or not.
+        let mut refused = status("c", 1, 10, Some((5, 2, "nack: the broker nacked")));
+        refused.writers = held.writers.clone();
+        let report = Report::new(60_000, vec![held, refused]);
+        let table = report.table(false);
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(
+            lines[1],
+            "b       2        0       31.0s  -             -         waits for writers in flight (below)"
+        );
+        assert!(lines[2].starts_with("c       1        0       10ms   5             2"));
+        assert_eq!(lines[3], "b waits for writers in flight:");
+        assert_eq!(
+            lines[4],
+            "  pid 4711, transaction open for 31.2s (since 2026-12-06T10:00:00Z) \
+             (a writer of b or of its colliding tenant a: one writers' lock)"
+        );
+        assert!(
+            lines[5].starts_with(
+                "  prepared transaction 'order-7', prepared 30.0s ago (2026-12-06T10:00:01Z) (a writer of b"
+            ),
+            "{table}"
+        );
+        let value: serde_json::Value = serde_json::from_str(&report.json()).unwrap();
+        let b = &value["tenants"][0];
+        assert_eq!(b["waits_for_writers"], true);
+        assert!(b["oldest_id"].is_null() && b["attempts"].is_null() && b["last_error"].is_null());
+        assert_eq!(b["twins"][0], "a");
+        assert_eq!(b["writers"][0]["pid"], 4711);
+        assert_eq!(b["writers"][0]["open_ms"], 31_200);
+        assert_eq!(b["writers"][1]["gid"], "order-7");
+        assert_eq!(b["writers"][1]["prepared"], "2026-12-06T10:00:01Z");
+        let c = &value["tenants"][1];
+        assert_eq!(c["waits_for_writers"], false);
+        assert_eq!(c["oldest_id"], 5);
+        assert_eq!(c["writers"].as_array().map(Vec::len), Some(0));
     }
 
     #[test]

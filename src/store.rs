@@ -35,8 +35,8 @@
 //! text), `query` (deadlines, one-statement round trips), `read` (a
 //! batch's read and its rows' decoding), `claim` (the claim, its marks and
 //! reads sent ahead, its settlement), `poll`, `lag`, `sequence` (the
-//! claim's fence), `lifecycle` (`requeue`, `discard`, `replay`),
-//! `columns`, and `error`.
+//! claim's fence), `twins` (tenants that share a claim key), `lifecycle`
+//! (`requeue`, `discard`, `replay`), `columns`, and `error`.
 
 mod claim;
 mod columns;
@@ -50,6 +50,7 @@ mod read;
 mod sequence;
 mod statements;
 mod table;
+mod twins;
 
 pub use claim::{Claim, KeptPending, Parked, Settled};
 pub use columns::Drift;
@@ -57,7 +58,7 @@ pub use connect::{CONNECT_TIMEOUT, POOL_WAIT_TIMEOUT};
 pub(crate) use connect::{TlsStream, connect, session_keepalives};
 pub use error::StoreError;
 pub(crate) use error::describe;
-pub use lag::{TenantLag, TenantStatus};
+pub use lag::{TenantLag, TenantStatus, Writer};
 pub use lifecycle::{Changed, LifecycleError};
 pub use poll::{Page, PendingTenant, Polled};
 pub use query::QUERY_TIMEOUT;

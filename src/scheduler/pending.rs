@@ -111,8 +111,12 @@ impl Scheduler {
         self.schedule.taken_over(taken);
         if last_page {
             let pending = &self.last_pending;
-            self.schedule
-                .forget_idle(|tenant| pending.contains_key(tenant));
+            for tenant in self
+                .schedule
+                .forget_idle(|tenant| pending.contains_key(tenant))
+            {
+                self.relay.store.forget_tenant(&tenant);
+            }
         }
         tracing::debug!(
             pending = pending.len(),

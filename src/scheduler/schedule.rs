@@ -134,13 +134,13 @@ impl Schedule {
     /// `tenants = "*"` and a new tenant per customer, the schedule so holds
     /// the tenants with work, not every tenant ever seen. A forgotten tenant
     /// comes back as new when the poll or a notification names it. Returns
-    /// how many it forgot.
-    pub fn forget_idle(&mut self, keep: impl Fn(&str) -> bool) -> usize {
+    /// the tenants it forgot.
+    pub fn forget_idle(&mut self, keep: impl Fn(&str) -> bool) -> Vec<Arc<str>> {
+        let mut forgotten = Vec::new();
         if !self.discovers {
-            return 0;
+            return forgotten;
         }
         let empty: Arc<str> = Arc::from("");
-        let mut forgotten = 0;
         for i in 0..self.names.len() {
             if self.states[i] != State::Idle
                 || self.failures[i] != 0
@@ -151,9 +151,8 @@ impl Schedule {
                 continue;
             }
             self.index.remove(&self.names[i]);
-            self.names[i] = empty.clone();
+            forgotten.push(std::mem::replace(&mut self.names[i], empty.clone()));
             self.free.push(i);
-            forgotten += 1;
         }
         forgotten
     }
@@ -570,7 +569,11 @@ mod tests {
         let pending = s.next_ready().unwrap();
         assert_eq!(&**s.name(pending), "pending");
         s.finished(pending, Outcome::Idle, now);
-        assert_eq!(s.forget_idle(|t| t == "pending"), 1, "only \"done\"");
+        assert_eq!(
+            s.forget_idle(|t| t == "pending"),
+            [Arc::from("done")],
+            "only \"done\""
+        );
         assert_eq!(s.len(), 3);
         // A new tenant takes the forgotten slot; the forgotten one comes
         // back as new when named again.
@@ -582,7 +585,7 @@ mod tests {
         assert_eq!(s.len(), 5);
         // Configured tenants are never forgotten.
         let mut listed = tenants(2);
-        assert_eq!(listed.forget_idle(|_| false), 0);
+        assert!(listed.forget_idle(|_| false).is_empty());
         assert_eq!(listed.len(), 2);
     }
 

@@ -7,13 +7,15 @@ mod ahead;
 use std::sync::{Arc, Mutex};
 
 use deadpool_postgres::Object;
+use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
 use self::ahead::MarksAhead;
 use super::columns::{self, Raw};
 use super::query::{deadline, mark_ids, update_ids};
 use super::read::{PayloadOf, RETAINED_READ_MAX, ReadRows, read_bytes};
-use super::statements::{BEGIN, CLAIM, DEALLOCATE};
+use super::statements::{BEGIN, CLAIM, CLAIM_TURN, DEALLOCATE};
+use super::twins::CLAIM_TURN_WAIT;
 use super::{Store, StoreError};
 use crate::domain::{BatchReport, Lease, OutboxRow, Payload};
 
@@ -66,6 +68,9 @@ pub struct Claim {
     position: i64,
     /// The most any one row read on the claim's connection brought.
     largest_read: usize,
+    /// A tenant sharing the claim key (a twin, see `twins`) had rows
+    /// pending at the claim: no further batch is chained.
+    twin_pending: bool,
     ahead: Mutex<MarksAhead>,
 }
 
@@ -109,9 +114,11 @@ impl Store {
             writers: false,
             position: 0,
             largest_read: 0,
+            twin_pending: false,
             ahead: Mutex::new(MarksAhead::default()),
         };
         let client = claim.client();
+        let twins = self.twins_of(tenant);
         let work = async {
             let lock_key: &str = &self.lock_key;
             let idle_ms: &str = &self.claim_idle_ms;
@@ -124,18 +131,29 @@ impl Store {
             ];
             // One round trip: the server runs them in order, in the
             // transaction BEGIN opens.
-            let (begin, taken, batch) = tokio::join!(
+            let (begin, turn, taken, batch, twin_pending) = tokio::join!(
                 client.batch_execute(BEGIN),
+                self.wait_turn(client, tenant, !twins.is_empty()),
                 client.query_typed_one(CLAIM, &claim_params),
                 self.read_batch(client, false, tenant, i64::MIN, budget),
+                self.twins_pending(client, &twins),
             );
             begin?;
+            if let Err(error) = turn {
+                // The twin's claim outlasted the wait: skipped, as when the
+                // try fails (the statements after it failed with it).
+                return match error.code() {
+                    Some(code) if *code == SqlState::LOCK_NOT_AVAILABLE => Ok(None),
+                    _ => Err(error.into()),
+                };
+            }
             let claimed = taken?;
             let (taken, read_only): (bool, bool) = (claimed.try_get(1)?, claimed.try_get(2)?);
             let fence = (claimed.try_get("writers")?, claimed.try_get("position")?);
-            Ok::<_, StoreError>((taken, read_only, fence, batch?))
+            self.learn_hash(tenant, claimed.try_get("tenant_hash")?);
+            Ok::<_, StoreError>(Some((taken, read_only, fence, batch?, twin_pending?)))
         };
-        let (
+        let Some((
             taken,
             read_only,
             (writers, position),
@@ -144,7 +162,12 @@ impl Store {
                 cut_by_budget,
                 largest_read,
             },
-        ) = deadline("the claim", work).await?;
+            twin_pending,
+        )) = deadline("the claim", work).await?
+        else {
+            claim.rollback().await?;
+            return Ok(None);
+        };
         if read_only {
             // Dropped: the connection is closed, not pooled.
             return Err(StoreError::ReadOnly);
@@ -153,12 +176,49 @@ impl Store {
             claim.rollback().await?;
             return Ok(None);
         }
+        claim.twin_pending = twin_pending;
         claim.rows = rows;
         claim.cut_by_budget = cut_by_budget;
         claim.writers = writers;
         claim.position = position;
         claim.largest_read = largest_read;
         Ok(Some(claim))
+    }
+
+    /// For a tenant with a known twin (`waits`), waits its turn for the
+    /// claim key (see `claim_turn.sql`); nothing sent otherwise.
+    async fn wait_turn(
+        &self,
+        client: &Object,
+        tenant: &str,
+        waits: bool,
+    ) -> Result<(), tokio_postgres::Error> {
+        if waits {
+            let lock_key: &str = &self.lock_key;
+            let turn_ms = CLAIM_TURN_WAIT.as_millis().to_string();
+            let params: [(&(dyn ToSql + Sync), Type); 3] = [
+                (&lock_key, Type::TEXT),
+                (&tenant, Type::TEXT),
+                (&turn_ms, Type::TEXT),
+            ];
+            client.query_typed(CLAIM_TURN, &params).await?;
+        }
+        Ok(())
+    }
+
+    /// Whether any of `twins` has rows pending; nothing sent for none.
+    async fn twins_pending(&self, client: &Object, twins: &[Arc<str>]) -> Result<bool, StoreError> {
+        if twins.is_empty() {
+            return Ok(false);
+        }
+        let names: Vec<&str> = twins.iter().map(|twin| &**twin).collect();
+        let row = client
+            .query_typed_one(
+                &self.statements().twins_pending,
+                &[(&names, Type::TEXT_ARRAY)],
+            )
+            .await?;
+        Ok(row.try_get(0)?)
     }
 
     /// Marks rows the broker confirmed whose claim ended without its commit
@@ -189,6 +249,12 @@ impl Claim {
     /// Where the id sequence stood at the claim.
     pub fn position(&self) -> i64 {
         self.position
+    }
+
+    /// Whether a twin of the tenant had rows pending at the claim, so that
+    /// the claim chains no further batch (see `twins`).
+    pub fn twin_pending(&self) -> bool {
+        self.twin_pending
     }
 
     fn client(&self) -> &Object {

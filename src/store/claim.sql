@@ -24,7 +24,8 @@
 -- transaction-level lock a writer waits for is never held by the relay.
 -- $4 = the id sequence's oid (0 when the table has none: no fence, as with
 -- no trigger), $5 = the scheduler's safe bound. The last columns: whether a
--- writer was in flight, and P.
+-- writer was in flight, P, and the tenant's hash, by which the relay finds
+-- tenants that share the claim key (store/twins.rs).
 SELECT set_config('idle_in_transaction_session_timeout', $3, true),
        set_config('outbox_relay.claimed', taken::text, true)::boolean,
        current_setting('transaction_read_only')::boolean,
@@ -34,7 +35,8 @@ SELECT set_config('idle_in_transaction_session_timeout', $3, true),
                         ELSE position END)::text,
                   true)::bigint AS fence,
        NOT free AS writers,
-       position
+       position,
+       hashtext($2) AS tenant_hash
 FROM (SELECT position,
              pg_try_advisory_xact_lock(hashtext($1), hashtext($2)) AS taken,
              CASE WHEN pg_try_advisory_lock(writer_key)

@@ -3,6 +3,7 @@
 
 use tokio_postgres::types::Type;
 
+use super::statements::TENANT_WRITERS;
 use super::{Page, Store, StoreError};
 use crate::config::Tenants;
 
@@ -29,6 +30,28 @@ pub struct TenantStatus {
     /// Rows parked (not discarded): out of the tenant's order, waiting for
     /// `requeue` or `discard`.
     pub parked: i64,
+    /// The other tenants reported whose names share this one's `hashtext`,
+    /// and so its claim key and writers' lock (see `twins`).
+    pub twins: Vec<String>,
+    /// The transactions that hold the tenant's writers' lock: writers in
+    /// flight (of the tenant, or of a twin).
+    pub writers: Vec<Writer>,
+}
+
+/// A transaction that holds a tenant's writers' lock, as `status` names it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Writer {
+    /// Its backend's pid; none for a prepared transaction.
+    pub pid: Option<i32>,
+    /// When its transaction began (UTC), and how long ago in ms; none when
+    /// the server does not show it to this role.
+    pub xact_start: Option<String>,
+    pub open_ms: Option<i64>,
+    /// A prepared transaction's `gid`, when it was prepared (UTC), and how
+    /// long ago in ms.
+    pub gid: Option<String>,
+    pub prepared: Option<String>,
+    pub prepared_ms: Option<i64>,
 }
 
 impl Store {
@@ -74,24 +97,62 @@ impl Store {
         }
     }
 
-    /// Pending rows, lag and the blocking row of each tenant, one statement.
+    /// Pending rows, lag and the blocking row of each tenant, one statement;
+    /// then its twins and the writers that hold its writers' lock, one more.
     pub async fn tenant_status(&self, tenants: &[String]) -> Result<Vec<TenantStatus>, StoreError> {
-        self.query_all(
-            "the status query",
-            &self.statements().tenant_status,
-            &[(&tenants, Type::TEXT_ARRAY)],
-            |row| {
-                Ok(TenantStatus {
-                    tenant: row.try_get(0)?,
-                    pending: row.try_get(1)?,
-                    lag_ms: row.try_get(2)?,
-                    oldest_id: row.try_get(3)?,
-                    attempts: row.try_get(4)?,
-                    last_error: row.try_get(5)?,
-                    parked: row.try_get(6)?,
-                })
-            },
-        )
-        .await
+        let mut statuses = self
+            .query_all(
+                "the status query",
+                &self.statements().tenant_status,
+                &[(&tenants, Type::TEXT_ARRAY)],
+                |row| {
+                    Ok(TenantStatus {
+                        tenant: row.try_get(0)?,
+                        pending: row.try_get(1)?,
+                        lag_ms: row.try_get(2)?,
+                        oldest_id: row.try_get(3)?,
+                        attempts: row.try_get(4)?,
+                        last_error: row.try_get(5)?,
+                        parked: row.try_get(6)?,
+                        twins: Vec::new(),
+                        writers: Vec::new(),
+                    })
+                },
+            )
+            .await?;
+        let lock_key: &str = &self.lock_key;
+        let holders = self
+            .query_all(
+                "the status query's writers",
+                TENANT_WRITERS,
+                &[(&lock_key, Type::TEXT), (&tenants, Type::TEXT_ARRAY)],
+                |row| {
+                    let writer = Writer {
+                        pid: row.try_get("pid")?,
+                        xact_start: row.try_get("xact_start")?,
+                        open_ms: row.try_get("open_ms")?,
+                        gid: row.try_get("gid")?,
+                        prepared: row.try_get("prepared")?,
+                        prepared_ms: row.try_get("prepared_ms")?,
+                    };
+                    Ok((
+                        row.try_get::<_, i64>("n")?,
+                        row.try_get::<_, Vec<String>>("twins")?,
+                        row.try_get::<_, bool>("held")?.then_some(writer),
+                    ))
+                },
+            )
+            .await?;
+        // Both statements answer one row per tenant given, in that order.
+        for (n, twins, writer) in holders {
+            if let Some(status) = usize::try_from(n - 1)
+                .ok()
+                .and_then(|i| statuses.get_mut(i))
+            {
+                status.twins = twins;
+                status.writers.extend(writer);
+            }
+        }
+        Ok(statuses)
     }
 }

@@ -54,6 +54,9 @@ fn literal(text: &str) -> String {
 /// rollback).
 pub(super) const DEALLOCATE: &str = "DEALLOCATE outbox_relay_read; DEALLOCATE outbox_relay_mark";
 pub(super) const CLAIM: &str = include_str!("claim.sql");
+pub(super) const CLAIM_TURN: &str = include_str!("claim_turn.sql");
+pub(super) const TWINS: &str = include_str!("twins.sql");
+pub(super) const TENANT_WRITERS: &str = include_str!("tenant_writers.sql");
 pub(super) const COLUMNS: &str = include_str!("columns.sql");
 pub(super) const SEQUENCE: &str = include_str!("sequence.sql");
 pub(super) const WRITERS: &str = include_str!("writers.sql");
@@ -68,6 +71,7 @@ const MARK_PUBLISHED: &str = include_str!("mark_published.sql");
 const RECORD_REFUSAL: &str = include_str!("record_refusal.sql");
 const UNMARK_PUBLISHED: &str = include_str!("unmark_published.sql");
 const STILL_PENDING: &str = include_str!("still_pending.sql");
+const TWINS_PENDING: &str = include_str!("twins_pending.sql");
 const PENDING_TENANTS: &str = include_str!("pending_tenants.sql");
 const TENANT_LAG: &str = include_str!("tenant_lag.sql");
 const TENANT_STATUS: &str = include_str!("tenant_status.sql");
@@ -100,6 +104,7 @@ pub(super) struct Statements {
     pub(super) mark_published: String,
     pub(super) unmark_published: String,
     pub(super) still_pending: String,
+    pub(super) twins_pending: String,
     /// `sequence.sql` with the table's highest id beside it (a step down the
     /// primary key), for a table known to exist.
     pub(super) sequence_highest: String,
@@ -139,6 +144,7 @@ impl Statements {
             mark_published,
             unmark_published: sql(UNMARK_PUBLISHED),
             still_pending: sql(STILL_PENDING),
+            twins_pending: sql(TWINS_PENDING),
             sequence_highest: format!(
                 "SELECT s.*, (SELECT max(id) FROM {table}) AS highest\nFROM (\n{SEQUENCE}) s"
             ),

@@ -10,6 +10,7 @@ use tokio_postgres::types::{Kind, Type};
 use super::connect::pool;
 use super::sequence::{PositionSeen, SEQUENCE_UNKNOWN};
 use super::statements::{COLUMNS, Statements};
+use super::twins::Twins;
 use super::{StoreError, columns};
 use crate::config::Config;
 use crate::domain::FailureReason;
@@ -38,6 +39,8 @@ pub struct Store {
     pub(super) sequence: Arc<AtomicI64>,
     /// Where the checks of the id sequence found it.
     pub(super) sequence_seen: Arc<Mutex<PositionSeen>>,
+    /// Tenants that share a claim key (see `twins`).
+    pub(super) twins: Arc<Mutex<Twins>>,
 }
 
 impl Store {
@@ -68,6 +71,7 @@ impl Store {
             max_payload_bytes: i64::try_from(config.max_payload_bytes).unwrap_or(i64::MAX),
             sequence: Arc::new(AtomicI64::new(SEQUENCE_UNKNOWN)),
             sequence_seen: Arc::default(),
+            twins: Arc::default(),
         })
     }
 

@@ -15,7 +15,7 @@ use tokio_postgres::{Client, NoTls};
 
 use crate::support::{
     Broker, Outbox, PrivateServer, RelayHandle, by_tenant, config, eventually, metric,
-    private_cluster, start_relay, unique,
+    private_cluster, relay_command, start_relay, unique,
 };
 
 /// The private cluster, with a database `test` and a role `preparer` that
@@ -280,4 +280,188 @@ async fn a_prepared_transaction_holds_its_tenant_across_a_restart() {
     let received = by_tenant(&broker.received());
     assert_eq!(received["a"], [prepared, before, after], "in id order");
     relay.stop().await;
+}
+
+/// `outbox-relay status` (`--json` when `json`) over `outbox` on the
+/// two-phase cluster, for `tenants`.
+fn status_of(cluster: &Cluster, outbox: &Outbox, tenants: &str, json: bool) -> String {
+    let mut command = relay_command();
+    command
+        .env("OUTBOX_TENANTS", tenants)
+        .env("OUTBOX_DATABASE_URL", cluster.url("postgres"))
+        .env("OUTBOX_SCHEMA", &outbox.schema)
+        .env("OUTBOX_TABLE", &outbox.table)
+        .env("OUTBOX_LOG_FORMAT", "json")
+        .arg("status");
+    if json {
+        command.arg("--json");
+    }
+    let output = command.output().expect("the binary runs");
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// The runbook's query for who holds a tenant's writers' lock, for this
+/// table and `tenant`.
+fn runbook_holders_query(outbox: &Outbox, tenant: &str) -> String {
+    let runbook = include_str!("../../docs/runbook.md");
+    let start = runbook
+        .find("-- Who holds the tenant's writers' lock")
+        .expect("the runbook's query");
+    let end = start + runbook[start..].find("```").expect("its block ends");
+    runbook[start..end]
+        .replace(
+            "'outbox.outbox_message'",
+            &format!("'{}.{}'", outbox.schema, outbox.table),
+        )
+        .replace("'acme'", &format!("'{tenant}'"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_names_the_open_and_prepared_writers_that_hold_a_tenant_and_a_twins_writer() {
+    let _cluster = CLUSTER_IN_USE.lock().await;
+    let cluster = tokio::task::spawn_blocking(cluster).await.expect("cluster");
+    let schema = unique("twophase_status");
+    let mut migrate = Config::with_tenants(["migrate"]);
+    migrate.database_url = cluster.url("postgres").parse().expect("url");
+    migrate.schema = schema.clone();
+    outbox_relay::migrate::run(&Store::new(&migrate).expect("store"), &migrate)
+        .await
+        .expect("migrations apply");
+    let outbox = Outbox::adopt_in(
+        &cluster.url("postgres"),
+        schema.clone(),
+        "outbox_message".into(),
+        cluster.client("postgres").await,
+    );
+    outbox
+        .client
+        .batch_execute(&format!(
+            "GRANT USAGE ON SCHEMA \"{schema}\" TO preparer; GRANT INSERT, SELECT ON {} TO preparer",
+            outbox.qualified()
+        ))
+        .await
+        .expect("grants");
+    let insert = format!(
+        "INSERT INTO {} (tenant_id, kind, subject_id, payload) VALUES ($1, 'k', $2, '{{}}') RETURNING id",
+        outbox.qualified()
+    );
+    let pid_of = async |client: &Client| -> i32 {
+        client
+            .query_one("SELECT pg_backend_pid()", &[])
+            .await
+            .expect("pid")
+            .get(0)
+    };
+    // Tenant `held`: a prepared writer and an open one, then a committed row.
+    let gid = unique("status_gid");
+    let preparer = cluster.client("preparer").await;
+    preparer.batch_execute("BEGIN").await.unwrap();
+    preparer
+        .query_one(&insert, &[&"held", &"prepared"])
+        .await
+        .unwrap();
+    preparer
+        .batch_execute(&format!("PREPARE TRANSACTION '{gid}'"))
+        .await
+        .expect("prepare");
+    let open = cluster.client("preparer").await;
+    let open_pid = pid_of(&open).await;
+    open.batch_execute("BEGIN").await.unwrap();
+    open.query_one(&insert, &[&"held", &"open"]).await.unwrap();
+    // A subtransaction's xid beside the transaction's: still one writer.
+    open.batch_execute("SAVEPOINT nested").await.unwrap();
+    open.query_one(&insert, &[&"held", &"nested"])
+        .await
+        .unwrap();
+    // The twins: tenant-109170's writer stays open; tenant-134154 committed.
+    let twin_writer = cluster.client("preparer").await;
+    let twin_pid = pid_of(&twin_writer).await;
+    twin_writer.batch_execute("BEGIN").await.unwrap();
+    twin_writer
+        .query_one(&insert, &[&"tenant-109170", &"open"])
+        .await
+        .unwrap();
+    for tenant in ["held", "tenant-134154", "free"] {
+        outbox
+            .client
+            .query_one(&insert, &[&tenant, &"committed"])
+            .await
+            .unwrap();
+    }
+
+    let tenants = "held,tenant-109170,tenant-134154,free";
+    let json = status_of(cluster, &outbox, tenants, true);
+    let text = status_of(cluster, &outbox, tenants, false);
+    let runbook: Vec<(Option<i32>, Option<String>)> = outbox
+        .client
+        .query(&runbook_holders_query(&outbox, "held"), &[])
+        .await
+        .expect("the runbook's query runs")
+        .iter()
+        .map(|row| (row.get("pid"), row.get("gid")))
+        .collect();
+    outbox
+        .client
+        .batch_execute(&format!("ROLLBACK PREPARED '{gid}'"))
+        .await
+        .expect("rollback prepared");
+    open.batch_execute("ROLLBACK").await.unwrap();
+    twin_writer.batch_execute("ROLLBACK").await.unwrap();
+
+    let report: serde_json::Value =
+        serde_json::from_str(&json).unwrap_or_else(|e| panic!("status --json ({e}): {json}"));
+    let [held, backlogged, twin, free] = [0, 1, 2, 3].map(|i| &report["tenants"][i]);
+    assert_eq!(held["waits_for_writers"], true, "{json}");
+    assert!(
+        held["oldest_id"].is_null() && held["attempts"].is_null() && held["last_error"].is_null(),
+        "no blocking row: {json}"
+    );
+    let writers = held["writers"].as_array().expect("writers");
+    assert_eq!(writers.len(), 2, "{json}");
+    let prepared = writers
+        .iter()
+        .find(|w| w["gid"] == gid.as_str())
+        .expect("the gid");
+    assert!(
+        prepared["pid"].is_null() && prepared["prepared"].is_string(),
+        "{json}"
+    );
+    let session = writers
+        .iter()
+        .find(|w| w["pid"] == open_pid)
+        .expect("the pid");
+    assert!(session["xact_start"].is_string() && session["open_ms"].as_i64() >= Some(0));
+    assert_eq!(twin["waits_for_writers"], true, "{json}");
+    assert_eq!(twin["twins"], serde_json::json!(["tenant-109170"]));
+    assert_eq!(twin["writers"][0]["pid"], twin_pid, "{json}");
+    assert_eq!(
+        backlogged["waits_for_writers"], false,
+        "nothing of its own pending"
+    );
+    assert_eq!(free["waits_for_writers"], false);
+    assert!(free["oldest_id"].is_i64(), "its blocking row stays: {json}");
+
+    assert!(text.contains("held waits for writers in flight:"), "{text}");
+    assert!(
+        text.contains(&format!("prepared transaction '{gid}', prepared ")),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("pid {open_pid}, transaction open for ")),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("pid {twin_pid}, transaction open for "))
+            && text.contains("or of its colliding tenant tenant-109170"),
+        "{text}"
+    );
+
+    assert!(
+        runbook.contains(&(None, Some(gid.clone()))),
+        "the runbook's query names the prepared transaction's gid: {runbook:?}"
+    );
+    assert!(
+        runbook.iter().any(|(pid, _)| *pid == Some(open_pid)),
+        "{runbook:?}"
+    );
 }
