@@ -226,9 +226,36 @@ async fn an_old_relay_beside_a_new_one_keeps_order_through_both_steps_of_the_upg
         "the old relay ran throughout"
     );
 
-    // Step 2, once the old relay is gone.
+    // Step 2 is refused while the old relay runs (its LISTEN connection's
+    // name has no upgrade level), and taken once it is gone.
+    let (code, said) = migrate_output(&["--finish"], &schema);
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains("migrate --finish refused: 1 session(s) of relays older than this one"),
+        "{said}"
+    );
+    assert_eq!(recorded(&outbox.client, &schema).await, [1, 2, 3, 4, 5]);
     old_relay.signal("TERM");
     assert_eq!(old_relay.wait(Duration::from_secs(30)).await, Some(0));
+    let prefix = outbox_relay::sql::relays_prefix(&schema, "outbox_message");
+    eventually(
+        "the old relay's sessions are gone",
+        Duration::from_secs(10),
+        || async {
+            outbox
+                .client
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE starts_with(application_name, $1) AND application_name !~ ':u[0-9]+$'",
+                    &[&prefix],
+                )
+                .await
+                .expect("pg_stat_activity")
+                .get::<_, i64>(0)
+                == 0
+        },
+    )
+    .await;
     migrate(relay_command(), &["--finish"], &schema);
     assert_eq!(recorded(&outbox.client, &schema).await, [1, 2, 3, 4, 5, 6]);
     assert!(
@@ -379,6 +406,21 @@ async fn finish_refuses_while_an_older_relay_reads_the_table_and_force_overrides
     );
     assert_eq!(recorded(&outbox.client, &schema).await, [1, 2, 3, 4, 5, 6]);
     assert!(!writers_wait(&outbox, "red").await, "the step was taken");
+
+    // The runbook's undo before a rollback: the record of 0005 and later
+    // forgotten, `migrate` puts the exclusive mode back.
+    outbox
+        .execute(&format!(
+            "DELETE FROM \"{schema}\".outbox_relay_migrations \
+             WHERE table_name = 'outbox_message' AND version >= 5"
+        ))
+        .await;
+    migrate(relay_command(), &[], &schema);
+    assert_eq!(recorded(&outbox.client, &schema).await, [1, 2, 3, 4, 5]);
+    assert!(
+        writers_wait(&outbox, "red").await,
+        "the exclusive mode is back"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
