@@ -267,7 +267,13 @@ async fn migrate_until_done(
     let backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
     let mut failures = 0;
     loop {
-        let applying = migrate::apply_patiently(&relay.store, &relay.config, migrations);
+        // A lock wait is an answer: the database is up.
+        let reached = || {
+            if !relaying {
+                relay.metrics.set_database_up(true);
+            }
+        };
+        let applying = migrate::apply_patiently(&relay.store, &relay.config, migrations, &reached);
         let result = tokio::select! {
             result = applying => result,
             never = beat_while(relay, !relaying) => match never {},

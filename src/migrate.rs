@@ -327,17 +327,19 @@ pub async fn apply(
     config: &Config,
     migrations: &[Migration],
 ) -> Result<Vec<i32>, StoreError> {
-    apply_with(store, config, migrations, Some(MIGRATION_TIMEOUT)).await
+    apply_with(store, config, migrations, Some(MIGRATION_TIMEOUT), &|| {}).await
 }
 
 /// As [`apply`], for the relay: a migration waits for a lock for as long as
-/// it is held, saying every [`LOCK_WAIT_LOG_EVERY`] who holds it.
+/// it is held, saying every [`LOCK_WAIT_LOG_EVERY`] who holds it, and
+/// calling `waiting` (the database answers meanwhile).
 pub async fn apply_patiently(
     store: &Store,
     config: &Config,
     migrations: &[Migration],
+    waiting: &(dyn Fn() + Sync),
 ) -> Result<Vec<i32>, StoreError> {
-    apply_with(store, config, migrations, None).await
+    apply_with(store, config, migrations, None, waiting).await
 }
 
 async fn apply_with(
@@ -345,6 +347,7 @@ async fn apply_with(
     config: &Config,
     migrations: &[Migration],
     patience: Option<Duration>,
+    waiting: &(dyn Fn() + Sync),
 ) -> Result<Vec<i32>, StoreError> {
     // A connection of its own, closed when done: nothing a migration sets in
     // the session, nor its session lock, goes back to the pool.
@@ -361,7 +364,7 @@ async fn apply_with(
             continue;
         }
         let ran = if migration.in_transaction() {
-            apply_in_transaction(&mut client, config, migration, patience).await?
+            apply_in_transaction(&mut client, config, migration, patience, waiting).await?
         } else {
             within(
                 "a migration",
@@ -453,12 +456,14 @@ async fn prepare(client: &mut ClientWrapper, config: &Config) -> Result<BTreeSet
 /// migrator recorded it first. Returns whether it ran. It waits for table
 /// locks only briefly ([`RETRY_LOCK_TIMEOUT`]) and is tried again, logging
 /// the lock and who holds it (a pid, or a prepared transaction's gid), until
-/// `patience` runs out (none: for as long as the lock is held).
+/// `patience` runs out (none: for as long as the lock is held), calling
+/// `waiting` after each try.
 async fn apply_in_transaction(
     client: &mut ClientWrapper,
     config: &Config,
     migration: &Migration,
     patience: Option<Duration>,
+    waiting: &(dyn Fn() + Sync),
 ) -> Result<bool, StoreError> {
     let started = tokio::time::Instant::now();
     let mut said: Option<tokio::time::Instant> = None;
@@ -473,6 +478,7 @@ async fn apply_in_transaction(
         match attempt {
             Err(error) if error.sqlstate() == Some(LOCK_NOT_AVAILABLE) => {
                 attempts += 1;
+                waiting();
                 let wait = waits::lock_wait(&**client, config, migration).await?;
                 if patience.is_some_and(|patience| started.elapsed() >= patience) {
                     return Err(StoreError::LockWait(wait));

@@ -22,8 +22,8 @@ use tokio_postgres::Client;
 
 use crate::support::{
     Broker, DATABASE_URL, Outbox, binary_command, by_tenant, check_history, config, eventually,
-    http_get, lines_at, pg_client, relay_command, relay_env, set_env, spawn_relay, spawn_relay_of,
-    start_relay, unique,
+    http_get, lines_at, metric, pg_client, relay_command, relay_env, set_env, spawn_relay,
+    spawn_relay_of, start_relay, unique,
 };
 
 /// The last commit before the shared writers' lock: its relay reads without
@@ -566,6 +566,12 @@ async fn a_migration_the_reads_need_holds_the_relay_and_names_the_transaction_it
         http_get(addr, "/livez").await.0,
         200,
         "alive while it waits"
+    );
+    let (_, metrics) = http_get(addr, "/metrics").await;
+    assert_eq!(
+        metric(&metrics, "outbox_database_up"),
+        Some(1.0),
+        "a lock wait is no database outage"
     );
     assert_eq!(
         broker.count(),
