@@ -44,6 +44,9 @@ pub(crate) fn cluster() -> &'static Cluster {
     })
 }
 
+/// Only one test at a time uses the cluster: one restarts it.
+pub(crate) static CLUSTER_IN_USE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 impl Cluster {
     pub(crate) fn url(&self, user: &str) -> String {
         format!("postgres://{user}@127.0.0.1:{}/test", self.port)
@@ -60,6 +63,7 @@ impl Cluster {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prepared_transactions_commit_through_the_trigger_and_hold_back_only_later_rows() {
+    let _cluster = CLUSTER_IN_USE.lock().await;
     let cluster = tokio::task::spawn_blocking(cluster).await.expect("cluster");
     let schema = unique("twophase");
     let mut migrate = Config::with_tenants(["migrate"]);

@@ -425,6 +425,7 @@ async fn finish_refuses_while_an_older_relay_reads_the_table_and_force_overrides
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_relays_while_its_trigger_only_migration_waits_for_a_prepared_transaction() {
+    let _cluster = crate::twophase::CLUSTER_IN_USE.lock().await;
     let cluster = tokio::task::spawn_blocking(crate::twophase::cluster)
         .await
         .expect("cluster");
