@@ -63,7 +63,6 @@ impl Cluster {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prepared_transactions_commit_through_the_trigger_and_hold_back_only_later_rows() {
-    let _cluster = CLUSTER_IN_USE.lock().await;
     let cluster = tokio::task::spawn_blocking(cluster).await.expect("cluster");
     let schema = unique("twophase");
     let mut migrate = Config::with_tenants(["migrate"]);
