@@ -1,4 +1,3 @@
--- outbox-relay: lock-retry
 -- Writers that never wait for each other, step 1 of 2 (see docs/operations.md,
 -- "Upgrading commit order"): a new trigger function, with the table's writers
 -- left on the exclusive per-tenant lock that older relays rely on.

@@ -193,7 +193,7 @@ pub async fn serve(
     let scheduler = tokio::spawn({
         let relay = relay.clone();
         async move {
-            if relay.config.migrate && !migrate_until_done(&relay, scheduler_stop.clone()).await {
+            if relay.config.migrate && !migrate_at_start(&relay, &scheduler_stop).await {
                 return;
             }
             let stop = scheduler_stop.clone();
@@ -239,27 +239,80 @@ pub async fn serve(
     tracing::info!("outbox-relay stopped");
 }
 
-/// Applies the migrations, retrying with back-off while the database is
-/// unreachable. Returns `false` if shutdown came first.
-async fn migrate_until_done(relay: &Relay, stop: Shutdown) -> bool {
+/// `migrate = true`: applies the migrations the relay's reads need, then
+/// leaves the trigger-only ones that end the list (and the second step, for
+/// a table whose trigger this run created) to a task of their own, so that
+/// a lock they wait for (an open or prepared transaction that wrote to the
+/// table) holds no row back: the trigger in place keeps order meanwhile.
+/// Returns `false` if shutdown came first.
+async fn migrate_at_start(relay: &Arc<Relay>, stop: &Shutdown) -> bool {
+    let (needed, trigger_only) = migrate::relays_after();
+    let Some(applied) = migrate_until_done(relay, needed, stop, false).await else {
+        return false;
+    };
+    let mut rest = trigger_only.to_vec();
+    if applied.contains(&2) {
+        rest.push(migrate::FINISH);
+    }
+    if !rest.is_empty() {
+        let (relay, stop) = (relay.clone(), stop.clone());
+        tokio::spawn(async move { migrate_until_done(&relay, &rest, &stop, true).await });
+    }
+    true
+}
+
+/// Applies `migrations`, waiting for any lock they need for as long as it is
+/// held and retrying with back-off while the database is unreachable.
+/// Returns the versions applied, or `None` if shutdown came first. Before
+/// the relay relays, it beats for `/livez` meanwhile, and says whether the
+/// database answered; once it relays (`relaying`), the scheduler does both.
+async fn migrate_until_done(
+    relay: &Relay,
+    migrations: &[migrate::Migration],
+    stop: &Shutdown,
+    relaying: bool,
+) -> Option<Vec<i32>> {
     let backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
     let mut failures = 0;
     loop {
-        relay.beat();
-        match migrate::run(&relay.store, &relay.config).await {
-            Ok(()) => return true,
+        // A lock wait is an answer: the database is up.
+        let reached = || {
+            if !relaying {
+                relay.metrics.set_database_up(true);
+            }
+        };
+        let applying = migrate::apply_patiently(&relay.store, &relay.config, migrations, &reached);
+        let result = tokio::select! {
+            result = applying => result,
+            never = beat_while(relay, !relaying) => match never {},
+            () = stop.clone().fired() => return None,
+        };
+        match result {
+            Ok(applied) => return Some(applied),
             Err(error) => {
                 tracing::warn!(%error, "cannot apply migrations; retrying");
-                // Up means reached: a server that refused the migration was.
-                relay.metrics.set_database_up(!error.is_unreachable());
+                if !relaying {
+                    // Up means reached: a server that refused the migration was.
+                    relay.metrics.set_database_up(!error.is_unreachable());
+                }
             }
         }
         let delay = backoff.delay(failures);
         failures += 1;
         tokio::select! {
             () = tokio::time::sleep(delay) => {}
-            () = stop.clone().fired() => return false,
+            () = stop.clone().fired() => return None,
         }
+    }
+}
+
+/// Beats for `/livez` every second when `beating`, until dropped.
+async fn beat_while(relay: &Relay, beating: bool) -> std::convert::Infallible {
+    loop {
+        if beating {
+            relay.beat();
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 

@@ -49,10 +49,14 @@ enum Command {
         #[arg(long)]
         print: bool,
         /// The second step of the writer lock: move the table's writers to
-        /// the shared lock, in which they never wait for each other. Take it
-        /// once no relay older than migration 0005 reads the table.
+        /// the shared lock, in which they never wait for each other. Refused
+        /// while a relay older than this one reads the table.
         #[arg(long)]
         finish: bool,
+        /// With --finish: take the step even beside older relays (a WARN
+        /// names each one).
+        #[arg(long, requires = "finish")]
+        force: bool,
     },
     /// Print the effective configuration (secrets redacted) and exit.
     CheckConfig,
@@ -158,6 +162,7 @@ fn main() -> ExitCode {
         Command::Migrate {
             print: true,
             finish,
+            ..
         } => print_migration(&loaded, finish),
         Command::Tail { routing_key, json } => tail(&runtime, &loaded, &routing_key, json),
         Command::Status { json, wide } => {
@@ -285,7 +290,9 @@ fn run_logged(
         let signalled = signalled.clone();
         async move {
             match command {
-                Command::Migrate { finish, .. } => migrate_once(loaded.config, finish).await,
+                Command::Migrate { finish, force, .. } => {
+                    migrate_once(loaded.config, finish.then_some(force)).await
+                }
                 _ => outbox_relay::run(loaded.config, async move {
                     shutdown::signal().await;
                     let _ = signalled.set(std::time::Instant::now());
@@ -339,16 +346,15 @@ fn warn_unknown_env(loaded: &Loaded) {
 }
 
 /// `migrate`: applies the migrations (with `finish`, the second step of the
-/// writers' lock too), then checks the table's columns (an existing table
-/// keeps its own, which may be ones the relay cannot read): an unfit one
-/// exits 2, as a configuration the relay cannot use.
-async fn migrate_once(config: Config, finish: bool) -> anyhow::Result<()> {
+/// writers' lock too, forced or not), then checks the table's columns (an
+/// existing table keeps its own, which may be ones the relay cannot read):
+/// an unfit one exits 2, as a configuration the relay cannot use.
+async fn migrate_once(config: Config, finish: Option<bool>) -> anyhow::Result<()> {
     use anyhow::Context;
     let store = store::Store::new(&config)?;
-    if finish {
-        migrate::finish(&store, &config).await
-    } else {
-        migrate::run(&store, &config).await
+    match finish {
+        Some(force) => migrate::finish(&store, &config, force).await,
+        None => migrate::run(&store, &config).await.map_err(Into::into),
     }
     .context("cannot apply the migrations")?;
     store
@@ -530,6 +536,7 @@ fn causes(error: &anyhow::Error) -> String {
         }
         text.push_str(&cause.to_string());
         if cause.is::<store::StoreError>()
+            || cause.is::<migrate::FinishError>()
             || cause.is::<outbox_relay::RunError>()
             || cause.is::<outbox_relay::relay::SetupError>()
             || cause.is::<outbox_relay::publisher::PublishError>()

@@ -8,6 +8,7 @@
 mod check;
 mod script;
 mod split;
+mod waits;
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -22,6 +23,7 @@ use crate::store::{Store, StoreError, within};
 pub use check::{Missing, SchemaReport, TRIGGER, check_schema};
 pub use script::{finish_script, script};
 pub use split::{concurrent_index_name, statements};
+pub use waits::{FinishError, OlderRelay, older_relays};
 // Defined in `sql`; kept at these paths for the wake-up and the tests.
 pub use crate::sql::{fnv1a, quote_literal, wakeup_channel};
 
@@ -33,6 +35,10 @@ pub struct Migration {
     /// The file name without `.sql`, as logged and recorded.
     pub name: &'static str,
     pub sql: &'static str,
+    /// It changes only the trigger functions and the trigger, which keep
+    /// order as they are meanwhile: a relay started with `migrate = true`
+    /// relays while it waits for a lock to apply it (see [`relays_after`]).
+    pub trigger_only: bool,
 }
 
 /// The first line of a migration whose statements run one by one outside a
@@ -44,12 +50,6 @@ impl Migration {
     /// [`NO_TRANSACTION`], statement by statement.
     pub fn in_transaction(&self) -> bool {
         !self.sql.starts_with(NO_TRANSACTION)
-    }
-
-    /// Whether it waits for table locks only briefly, and is tried again
-    /// (see [`LOCK_RETRY_MARK`]).
-    pub fn retries_locks(&self) -> bool {
-        self.sql.starts_with(LOCK_RETRY_MARK)
     }
 
     /// Its SQL for `schema`.`table`.
@@ -64,26 +64,31 @@ pub const MIGRATIONS: &[Migration] = &[
         version: 1,
         name: "0001_outbox",
         sql: include_str!("../migrations/0001_outbox.sql"),
+        trigger_only: false,
     },
     Migration {
         version: 2,
         name: "0002_commit_order",
         sql: include_str!("../migrations/0002_commit_order.sql"),
+        trigger_only: false,
     },
     Migration {
         version: 3,
         name: "0003_parking",
         sql: include_str!("../migrations/0003_parking.sql"),
+        trigger_only: false,
     },
     Migration {
         version: 4,
         name: "0004_pending_index",
         sql: include_str!("../migrations/0004_pending_index.sql"),
+        trigger_only: false,
     },
     Migration {
         version: 5,
         name: "0005_writer_lock",
         sql: include_str!("../migrations/0005_writer_lock.sql"),
+        trigger_only: true,
     },
 ];
 
@@ -96,7 +101,32 @@ pub const FINISH: Migration = Migration {
     version: 6,
     name: "0006_writers_shared",
     sql: include_str!("../migrations/0005_writer_lock.sql"),
+    trigger_only: true,
 };
+
+/// This build's upgrade level: the number of the newest migration it knows.
+/// Each relay's members' name ends with it (`:u<level>`, see `wakeup`), so
+/// that an upgrade step older relays cannot follow sees them
+/// ([`older_relays`]). It rises with every migration added.
+pub const LEVEL: i32 = {
+    let last = MIGRATIONS[MIGRATIONS.len() - 1].version;
+    if FINISH.version > last {
+        FINISH.version
+    } else {
+        last
+    }
+};
+
+/// The migrations a relay started with `migrate = true` applies before it
+/// relays (its reads need them), and the trigger-only ones that end the
+/// list, which it applies while it relays.
+pub fn relays_after() -> (&'static [Migration], &'static [Migration]) {
+    let needed = MIGRATIONS
+        .iter()
+        .rposition(|migration| !migration.trigger_only)
+        .map_or(0, |last| last + 1);
+    MIGRATIONS.split_at(needed)
+}
 
 /// The writers' lock mode a migration installs: shared for [`FINISH`],
 /// exclusive (as older relays need) for the rest.
@@ -108,13 +138,14 @@ fn writer_mode(version: i32) -> &'static str {
     }
 }
 
-/// The first line of a migration whose DDL must not hold writers: it runs
-/// with a short `lock_timeout` ([`RETRY_LOCK_TIMEOUT`]) and is tried again
-/// (its whole transaction) while the table is busy, for up to
-/// [`MIGRATION_TIMEOUT`]. `DROP`/`CREATE TRIGGER` queue behind the writers in
-/// flight, and every new writer queues behind them meanwhile.
-pub const LOCK_RETRY_MARK: &str = "-- outbox-relay: lock-retry";
+/// A migration in a transaction must not hold writers: its DDL queues
+/// behind the writers in flight, and every new writer queues behind it
+/// meanwhile. So it waits for a table lock only this long, and is tried
+/// again (its whole transaction) while the table is busy, saying who holds
+/// the lock (see [`apply_in_transaction`]).
 const RETRY_LOCK_TIMEOUT: &str = "100ms";
+/// How often a migration that waits for a lock says so.
+const LOCK_WAIT_LOG_EVERY: Duration = Duration::from_secs(10);
 /// lock_not_available: the lock_timeout ran out.
 const LOCK_NOT_AVAILABLE: &str = "55P03";
 
@@ -265,20 +296,58 @@ pub async fn run(store: &Store, config: &Config) -> Result<(), StoreError> {
 }
 
 /// `outbox-relay migrate --finish`: every migration, then [`FINISH`], which
-/// moves the table's writers to the shared lock. Take it once no relay older
-/// than 0005 reads the table (see docs/operations.md).
-pub async fn finish(store: &Store, config: &Config) -> Result<(), StoreError> {
+/// moves the table's writers to the shared lock. Refused while a relay older
+/// than this build reads the table ([`older_relays`]), unless `force`
+/// (then with a WARN naming each one).
+pub async fn finish(store: &Store, config: &Config, force: bool) -> Result<(), FinishError> {
     apply(store, config, MIGRATIONS).await?;
+    let older = older_relays(store, config).await?;
+    if !older.is_empty() {
+        if !force {
+            return Err(FinishError::OlderRelays(older));
+        }
+        for relay in &older {
+            tracing::warn!(
+                schema = %config.schema, table = %config.table,
+                "--force: taking the second step while a relay older than this one reads the \
+                 table; it may publish a tenant's rows out of order until it stops: {}",
+                relay.listed()
+            );
+        }
+    }
     apply(store, config, &[FINISH]).await?;
     Ok(())
 }
 
 /// As [`run`], for any list of migrations (tests give their own). Returns the
-/// versions this call applied.
+/// versions this call applied. A migration that waits for a lock gives up
+/// after [`MIGRATION_TIMEOUT`], naming the lock and its holders.
 pub async fn apply(
     store: &Store,
     config: &Config,
     migrations: &[Migration],
+) -> Result<Vec<i32>, StoreError> {
+    apply_with(store, config, migrations, Some(MIGRATION_TIMEOUT), &|| {}).await
+}
+
+/// As [`apply`], for the relay: a migration waits for a lock for as long as
+/// it is held, saying every [`LOCK_WAIT_LOG_EVERY`] who holds it, and
+/// calling `waiting` (the database answers meanwhile).
+pub async fn apply_patiently(
+    store: &Store,
+    config: &Config,
+    migrations: &[Migration],
+    waiting: &(dyn Fn() + Sync),
+) -> Result<Vec<i32>, StoreError> {
+    apply_with(store, config, migrations, None, waiting).await
+}
+
+async fn apply_with(
+    store: &Store,
+    config: &Config,
+    migrations: &[Migration],
+    patience: Option<Duration>,
+    waiting: &(dyn Fn() + Sync),
 ) -> Result<Vec<i32>, StoreError> {
     // A connection of its own, closed when done: nothing a migration sets in
     // the session, nor its session lock, goes back to the pool.
@@ -295,12 +364,7 @@ pub async fn apply(
             continue;
         }
         let ran = if migration.in_transaction() {
-            within(
-                "a migration",
-                MIGRATION_TIMEOUT,
-                apply_in_transaction(&mut client, config, migration),
-            )
-            .await?
+            apply_in_transaction(&mut client, config, migration, patience, waiting).await?
         } else {
             within(
                 "a migration",
@@ -389,26 +453,42 @@ async fn prepare(client: &mut ClientWrapper, config: &Config) -> Result<BTreeSet
 }
 
 /// Applies and records `migration` in one transaction, unless another
-/// migrator recorded it first. Returns whether it ran. One marked with
-/// [`LOCK_RETRY_MARK`] waits for table locks only briefly, and is tried
-/// again until [`MIGRATION_TIMEOUT`] (of the caller) ends it.
+/// migrator recorded it first. Returns whether it ran. It waits for table
+/// locks only briefly ([`RETRY_LOCK_TIMEOUT`]) and is tried again, logging
+/// the lock and who holds it (a pid, or a prepared transaction's gid), until
+/// `patience` runs out (none: for as long as the lock is held), calling
+/// `waiting` after each try.
 async fn apply_in_transaction(
     client: &mut ClientWrapper,
     config: &Config,
     migration: &Migration,
+    patience: Option<Duration>,
+    waiting: &(dyn Fn() + Sync),
 ) -> Result<bool, StoreError> {
+    let started = tokio::time::Instant::now();
+    let mut said: Option<tokio::time::Instant> = None;
     let mut attempts: u64 = 0;
     loop {
-        match try_in_transaction(client, config, migration).await {
-            Err(error)
-                if migration.retries_locks() && error.sqlstate() == Some(LOCK_NOT_AVAILABLE) =>
-            {
+        let attempt = within(
+            "a migration",
+            MIGRATION_TIMEOUT,
+            try_in_transaction(client, config, migration),
+        )
+        .await;
+        match attempt {
+            Err(error) if error.sqlstate() == Some(LOCK_NOT_AVAILABLE) => {
                 attempts += 1;
-                if attempts == 1 || attempts.is_multiple_of(50) {
-                    tracing::info!(
+                waiting();
+                let wait = waits::lock_wait(&**client, config, migration).await?;
+                if patience.is_some_and(|patience| started.elapsed() >= patience) {
+                    return Err(StoreError::LockWait(wait));
+                }
+                if said.is_none_or(|at| at.elapsed() >= LOCK_WAIT_LOG_EVERY) {
+                    tracing::warn!(
                         schema = %config.schema, table = %config.table, attempts,
-                        "{} waits for the table's writers in flight; trying again", migration.name
+                        "{wait}; trying again every {RETRY_LOCK_TIMEOUT}"
                     );
+                    said = Some(tokio::time::Instant::now());
                 }
                 tokio::time::sleep(LOCK_RETRY).await;
             }
@@ -429,10 +509,8 @@ async fn try_in_transaction(
         tx.rollback().await?;
         return Ok(false);
     }
-    if migration.retries_locks() {
-        tx.batch_execute(&format!("SET LOCAL lock_timeout = '{RETRY_LOCK_TIMEOUT}'"))
-            .await?;
-    }
+    tx.batch_execute(&format!("SET LOCAL lock_timeout = '{RETRY_LOCK_TIMEOUT}'"))
+        .await?;
     tx.batch_execute(&migration.render(&config.schema, &config.table))
         .await?;
     record(&*tx, config, migration).await?;
@@ -617,6 +695,21 @@ mod tests {
             sql,
             "'s{table_literal}' 't{schema_literal}outbox_message' \"t{schema_literal}outbox_message\""
         );
+    }
+
+    #[test]
+    fn the_upgrade_level_is_the_newest_migration_known() {
+        let newest = MIGRATIONS.iter().chain([&FINISH]).map(|m| m.version).max();
+        assert_eq!(Some(LEVEL), newest);
+    }
+
+    #[test]
+    fn a_relay_relays_once_only_trigger_only_migrations_are_left() {
+        let (needed, rest) = relays_after();
+        assert_eq!(needed.len() + rest.len(), MIGRATIONS.len());
+        assert!(rest.iter().all(|m| m.trigger_only));
+        assert!(needed.last().is_none_or(|m| !m.trigger_only));
+        assert!(!rest.is_empty(), "0005 re-creates the trigger alone");
     }
 
     #[test]

@@ -31,6 +31,13 @@ pub fn wakeup_channel(schema: &str, table: &str) -> String {
     format!("outbox.{hash:016x}")
 }
 
+/// What the members' name of every relay of the table starts with
+/// (`outbox-relay:<channel hash>:`; see `wakeup`), whatever its tenants.
+pub fn relays_prefix(schema: &str, table: &str) -> String {
+    let channel = wakeup_channel(schema, table);
+    format!("outbox-relay:{:016x}:", fnv1a(channel.as_bytes()))
+}
+
 /// The 64-bit FNV-1a hash: the same on every replica and every build.
 pub fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325_u64, |hash, byte| {

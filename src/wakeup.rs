@@ -20,7 +20,8 @@
 //! primary.
 //!
 //! With several replicas, each LISTEN connection is named
-//! `outbox-relay:<channel hash>:<tenants hash>:<instance id>`; the poll reads
+//! `outbox-relay:<channel hash>:<tenants hash>:<instance id>:u<level>` (the
+//! level: the newest migration the relay knows); the poll reads
 //! back the names of the replicas of the same table and the same `tenants`
 //! (see `store/pending_tenants.sql`), and a notified tenant is swept at once
 //! only by its owner among them (rendezvous hashing), so the other replicas'
@@ -55,6 +56,7 @@ use crate::config::{Config, DatabaseTarget, Tenants};
 use crate::metrics::Metrics;
 use crate::migrate::{fnv1a, quote_literal, wakeup_channel};
 use crate::shutdown::Shutdown;
+use crate::sql::relays_prefix;
 use crate::store::{QUERY_TIMEOUT, TlsStream, connect, describe, quote_ident, session_keepalives};
 
 /// The first reconnect comes this soon after a loss (a restarted server or a
@@ -79,7 +81,8 @@ pub struct Wakeups {
     /// What the LISTEN connection of every replica of this table and these
     /// tenants is named before its instance id.
     members_prefix: String,
-    /// This relay's instance id, random per process (16 hex digits).
+    /// This relay's instance id, random per process (16 hex digits), and its
+    /// upgrade level (`:u<level>`).
     instance: String,
     /// Whether the relay asks writers for notifications: it holds the
     /// wake-up lock while this is true (see `migrations/0005_writer_lock.sql`).
@@ -109,17 +112,18 @@ pub struct Woken {
 
 impl Wakeups {
     pub fn new(config: &Config) -> Wakeups {
-        let channel = wakeup_channel(&config.schema, &config.table);
         // Discovering relays are members of one set, told from any list.
         let tenants_hash = match &config.tenants {
             Tenants::Listed(names) => tenants_hash(names),
             Tenants::Discovered => tenants_hash(&["*".to_string()]),
         };
         let members_prefix = format!(
-            "outbox-relay:{:016x}:{tenants_hash:08x}:",
-            fnv1a(channel.as_bytes()),
+            "{}{tenants_hash:08x}:",
+            relays_prefix(&config.schema, &config.table)
         );
-        let instance = format!("{:016x}", random_u64());
+        // The upgrade level ends the name: an upgrade step that older relays
+        // cannot follow sees them (see `migrate::older_relays`).
+        let instance = format!("{:016x}:u{}", random_u64(), crate::migrate::LEVEL);
         Wakeups {
             listed: config.tenants.listed().iter().cloned().collect(),
             tenants: config.tenants.clone(),
@@ -666,6 +670,18 @@ mod tests {
     fn the_listen_connection_names_its_channel_and_instance() {
         let w = wakeups(&["a"]);
         assert!(w.application_name.len() <= 63, "fits NAMEDATALEN");
+        assert!(
+            w.application_name
+                .starts_with(&crate::sql::relays_prefix("public", "outbox_message")),
+            "{}",
+            w.application_name
+        );
+        assert!(
+            w.application_name
+                .ends_with(&format!(":u{}", crate::migrate::LEVEL)),
+            "the upgrade level ends the name: {}",
+            w.application_name
+        );
         assert_eq!(w.member_of(&w.application_name), Some(w.instance.as_str()));
         assert!(w.members_pattern().starts_with("outbox-relay:"));
         let other = Wakeups::new(&{

@@ -171,6 +171,7 @@ mod tests {
                   DROP INDEX CONCURRENTLY IF EXISTS outbox_message_pending;\n\
                   CREATE INDEX CONCURRENTLY IF NOT EXISTS outbox_message_pending\n    \
                   ON outbox_message (tenant_id, id) WHERE published_at IS NULL;\n",
+            trigger_only: false,
         };
         assert!(!marked.in_transaction());
         let script = script_of(&[marked], "app", "t");

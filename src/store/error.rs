@@ -38,6 +38,10 @@ pub enum StoreError {
     /// [`Store::check_sequence`](super::Store::check_sequence)).
     #[error("{0}")]
     Sequence(String),
+    /// A migration waited for a table lock past its patience: the lock and
+    /// who holds it.
+    #[error("{0}")]
+    LockWait(String),
 }
 
 impl From<tokio_postgres::Error> for StoreError {
@@ -71,7 +75,7 @@ impl StoreError {
             | StoreError::Build(_)
             | StoreError::ReadOnly => true,
             StoreError::Query(error) => connection_lost(error),
-            StoreError::Columns(_) | StoreError::Sequence(_) => false,
+            StoreError::Columns(_) | StoreError::Sequence(_) | StoreError::LockWait(_) => false,
         }
     }
 

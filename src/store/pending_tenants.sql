@@ -14,7 +14,7 @@
 -- The same statement names the replicas of this table (the members): the
 -- application_name of each one's LISTEN connection (wakeup = notify) or of
 -- its pool's sessions (wakeup = poll),
--- `outbox-relay:<channel hash>:<tenants hash>:<instance id>`,
+-- `outbox-relay:<channel hash>:<tenants hash>:<instance id>:u<level>`,
 -- matched by $1, in this database (notifications do not cross databases).
 -- Every role may read other sessions' application_name (pg_stat_activity's
 -- own function, read directly: the view joins pg_database by a scan). These

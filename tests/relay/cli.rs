@@ -374,8 +374,10 @@ fn unknown_outbox_variables_are_ignored_and_check_config_redacts() {
         ),
         "{stdout}"
     );
-    let (code, _, _) = run(&[("OUTBOX_TENANTS", "a")], &["--version"]);
+    let (code, stdout, _) = run(&[("OUTBOX_TENANTS", "a")], &["--version"]);
     assert_eq!(code, Some(0));
+    // Each release has its own version (0.1.0 is the relay of ce86eac).
+    assert_eq!(stdout.trim(), "outbox-relay 0.2.0");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -408,7 +408,14 @@ async fn metrics_livez_and_readyz_answer() {
         ("outbox_tenant_backoff_seconds{tenant=\"a\"}", None),
         ("outbox_amqp_connected", Some(1.0)),
         ("outbox_database_up", Some(1.0)),
-        ("outbox_build_info{version=\"0.1.0\"}", Some(1.0)),
+        (
+            concat!(
+                "outbox_build_info{version=\"",
+                env!("CARGO_PKG_VERSION"),
+                "\"}"
+            ),
+            Some(1.0),
+        ),
     ];
     for (series, value) in expected {
         assert_eq!(metric(&metrics, series), *value, "{series} in\n{metrics}");

@@ -709,6 +709,7 @@ async fn a_no_transaction_migration_rebuilds_an_invalid_index() {
         name: "0100_kind_once",
         sql: "-- outbox-relay: no-transaction\n\
               CREATE UNIQUE INDEX CONCURRENTLY IF NOT EXISTS kind_once ON outbox_message (kind);\n",
+        trigger_only: false,
     };
     let config = migrate_config(&outbox.schema);
     outbox_relay::migrate::apply(&Store::new(&config).unwrap(), &config, &[marked])

@@ -20,12 +20,12 @@ use crate::support::{
 
 /// The private cluster, with a database `test` and a role `preparer` that
 /// may insert into any outbox table the tests make and notifies never.
-struct Cluster {
+pub(crate) struct Cluster {
     port: u16,
     server: PrivateServer,
 }
 
-fn cluster() -> &'static Cluster {
+pub(crate) fn cluster() -> &'static Cluster {
     static CLUSTER: OnceLock<Cluster> = OnceLock::new();
     CLUSTER.get_or_init(|| {
         let server = private_cluster(
@@ -45,14 +45,14 @@ fn cluster() -> &'static Cluster {
 }
 
 /// Only one test at a time uses the cluster: one restarts it.
-static CLUSTER_IN_USE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+pub(crate) static CLUSTER_IN_USE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 impl Cluster {
-    fn url(&self, user: &str) -> String {
+    pub(crate) fn url(&self, user: &str) -> String {
         format!("postgres://{user}@127.0.0.1:{}/test", self.port)
     }
 
-    async fn client(&self, user: &str) -> Client {
+    pub(crate) async fn client(&self, user: &str) -> Client {
         let (client, connection) = tokio_postgres::connect(&self.url(user), NoTls)
             .await
             .expect("the two-phase cluster is reachable");
