@@ -40,6 +40,11 @@ impl MissingGrant {
         MissingGrant::new(config, "DELETE", false)
     }
 
+    /// Whether retention needs it (and relaying does not).
+    pub fn for_retention(&self) -> bool {
+        self.privilege == "DELETE"
+    }
+
     fn new(config: &Config, privilege: &'static str, on_schema: bool) -> MissingGrant {
         let object = if on_schema {
             format!("SCHEMA {}", quote_ident(&config.schema))
@@ -95,13 +100,6 @@ pub struct Grants {
     /// With retention on, where autovacuum is off: `"the server"` or `"the
     /// table"`.
     pub autovacuum_off: Option<&'static str>,
-}
-
-impl Grants {
-    /// Whether retention lacks its grant.
-    pub fn retention_denied(&self) -> bool {
-        self.missing.iter().any(|m| m.privilege == "DELETE")
-    }
 }
 
 /// Checks the grants `config` needs, and autovacuum for retention, in one

@@ -349,10 +349,10 @@ async fn warn_about_schema(relay: Arc<Relay>, stop: Shutdown, retention: Arc<ret
     match grants::check(&relay.store, &relay.config).await {
         Ok(grants) => {
             for missing in &grants.missing {
-                tracing::error!(%schema, %table, "{missing}");
-            }
-            if grants.retention_denied() {
-                retention.refused();
+                // Retention's, unless a round refused already said it.
+                if !missing.for_retention() || retention.refused() {
+                    tracing::error!(%schema, %table, "{missing}");
+                }
             }
             if let Some(place) = grants.autovacuum_off {
                 tracing::warn!(

@@ -4,14 +4,17 @@
 //! pooling), a LISTEN and a session-level lock would land on whichever
 //! server connection was lent, and stay there for its next clients.
 //!
-//! A pool usually lends the connection it got back last, so two statements
-//! in a row share a backend pid even through one. So a second connection to
-//! the same URL holds a transaction open in between, which keeps whatever
-//! server connection it was lent: the wake-up connection's session holds
-//! when it sees the same backend pid in both of its statements and the
-//! second connection another one. A statement of its own session never
-//! waits for the other's transaction: one that does has no session of its
-//! own (nor the pool a server connection to lend).
+//! A pool that lends the connection it got back last (PgBouncer's default)
+//! has two statements in a row share a backend pid even through it; one that
+//! spreads its lending (`server_round_robin`) gives the next statement
+//! another, mostly. So the wake-up connection reads its backend pid twice in
+//! a row, then once more while a second connection to the same URL holds a
+//! transaction open, which keeps whatever server connection it was lent
+//! (the one just released, from the first kind of pool), three rounds over.
+//! The session holds when every read agrees and the second connection never
+//! saw that pid. A statement of its own session never waits for the other's
+//! transaction: one that does has no session of its own (nor the pool a
+//! server connection to lend).
 
 use std::time::Duration;
 
@@ -21,13 +24,20 @@ use super::{Lost, Wakeups, first_value, simple_while_listening};
 use crate::config::DatabaseTarget;
 use crate::store::{TlsStream, connect};
 
-/// How long the wake-up connection's second statement may wait while the
-/// other connection holds its transaction: its own session answers at once.
+/// How long the wake-up connection's statement may wait while the other
+/// connection holds its transaction: its own session answers at once.
 const LEND_WAIT: Duration = Duration::from_secs(3);
 
+/// The check's rounds: with other clients' transactions between them, a
+/// pool may lend the same server connection to one round's reads by chance
+/// (or the other connection another one), hardly to every round's.
+const ROUNDS: usize = 3;
+
 /// Whether the connection (`client`, `connection`) to `target` keeps its
-/// session between transactions. It runs two statements, and nothing that
-/// stays in the session.
+/// session between transactions: in each of [`ROUNDS`] rounds, its backend
+/// pid read twice in a row, then once more while the other connection holds
+/// a transaction open, always the same, and never the other's. Nothing it
+/// runs stays in a session.
 pub(super) async fn keeps_session(
     target: &DatabaseTarget,
     client: &Client,
@@ -35,21 +45,28 @@ pub(super) async fn keeps_session(
     wakeups: &Wakeups,
 ) -> Result<bool, Lost> {
     const PID: &str = "SELECT pg_backend_pid()";
-    let first = simple_while_listening(client, connection, wakeups, PID).await?;
     let (other, other_connection) = connect(target).await?;
     let check = async {
-        let held = other.simple_query(&format!("BEGIN; {PID}")).await?;
-        let second = tokio::time::timeout(
-            LEND_WAIT,
-            simple_while_listening(client, connection, wakeups, PID),
-        )
-        .await;
-        other.batch_execute("ROLLBACK").await?;
-        let Ok(second) = second else {
-            return Ok(false);
-        };
-        let [first, second, held] = [&first, &second?, &held].map(|answer| first_value(answer));
-        Ok::<_, Lost>(first.is_some() && first == second && held != first)
+        let own = first_value(&simple_while_listening(client, connection, wakeups, PID).await?);
+        for _ in 0..ROUNDS {
+            let again = simple_while_listening(client, connection, wakeups, PID).await?;
+            let held = other.simple_query(&format!("BEGIN; {PID}")).await?;
+            let meanwhile = tokio::time::timeout(
+                LEND_WAIT,
+                simple_while_listening(client, connection, wakeups, PID),
+            )
+            .await;
+            other.batch_execute("ROLLBACK").await?;
+            let Ok(meanwhile) = meanwhile else {
+                return Ok(false);
+            };
+            let [again, held, meanwhile] =
+                [&again, &held, &meanwhile?].map(|answer| first_value(answer));
+            if own.is_none() || again != own || meanwhile != own || held == own {
+                return Ok(false);
+            }
+        }
+        Ok::<_, Lost>(true)
     };
     tokio::pin!(other_connection);
     tokio::select! {

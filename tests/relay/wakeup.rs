@@ -387,6 +387,42 @@ async fn through_transaction_pooling_the_wakeup_watches_the_sequence_and_leaves_
     );
 }
 
+/// With `wakeup = notify` too, a wake-up connection that keeps no session
+/// falls back to the id sequence: with a poll a minute away, a row written
+/// after the relay started arrives at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_transaction_pooling_notify_falls_back_to_the_sequence() {
+    let bouncer = through_pgbouncer(TRANSACTION_PORT, "transaction").await;
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let mut config = config(&outbox, &broker, &["acme"]);
+    config.poll_ms = NO_POLL_MS;
+    config.wakeup = Wakeup::Notify;
+    config.database_url = bouncer.parse().expect("the PgBouncer url");
+    config.listen_database_url = config.database_url.clone();
+    let relay = start_relay(config).await;
+    eventually("the relay polled", Duration::from_secs(10), || async {
+        metric_of(&relay, "outbox_database_up").await == 1.0
+    })
+    .await;
+    // The first row may meet the polls at start; the second comes after.
+    let mut committed = Vec::new();
+    for n in 1..=2 {
+        committed.push(outbox.insert("acme", "k", "s", Some("{}"), None).await);
+        eventually(
+            "the row arrives long before the poll",
+            Duration::from_secs(10),
+            || async { broker.count() >= n },
+        )
+        .await;
+    }
+    assert!(!wakeup_connected(&relay).await);
+    assert_eq!(wakeup_lock_holders(&outbox).await, 0);
+    relay.stop().await;
+    let ids: Vec<i64> = broker.received().iter().map(|r| r.id).collect();
+    assert_eq!(ids, committed);
+}
+
 /// Through session pooling, the wake-up connection keeps its session: it
 /// LISTENs as on a direct connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
