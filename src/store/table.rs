@@ -38,6 +38,10 @@ pub struct Store {
     pub(super) sequence: Arc<AtomicI64>,
     /// Where the checks of the id sequence found it.
     pub(super) sequence_seen: Arc<Mutex<PositionSeen>>,
+    /// The highest id this relay has read from the table (`i64::MIN`:
+    /// none): a sequence standing below it would number new rows with ids
+    /// already sent (see [`Store::check_sequence`]).
+    pub(super) highest_read: Arc<AtomicI64>,
 }
 
 impl Store {
@@ -68,6 +72,7 @@ impl Store {
             max_payload_bytes: i64::try_from(config.max_payload_bytes).unwrap_or(i64::MAX),
             sequence: Arc::new(AtomicI64::new(SEQUENCE_UNKNOWN)),
             sequence_seen: Arc::default(),
+            highest_read: Arc::new(AtomicI64::new(i64::MIN)),
         })
     }
 

@@ -18,8 +18,8 @@ use tokio_postgres::{Client, NoTls};
 
 use crate::proxy::{Mode, Proxy};
 use crate::support::{
-    Broker, Outbox, PrivateServer, by_tenant, config, eventually, free_port, private_cluster,
-    relay_command, start_relay,
+    Broker, Outbox, PrivateServer, by_tenant, config, eventually, free_port, http_get,
+    private_cluster, relay_command, relay_env, set_env, spawn_relay, start_relay,
 };
 
 /// The private cluster (see [`PrivateServer`]), with a database `test`.
@@ -357,7 +357,14 @@ async fn after_a_failover_the_pool_and_the_listen_connection_move_to_the_new_pri
     .await;
 
     // 3. Back: the second server is demoted but stays up (its sessions stay
-    // open, now read-only), the first takes writes again.
+    // open, now read-only), the first takes writes again, its sequence set
+    // past the ids the second gave (or the relay would send none of its
+    // rows: see the test below).
+    outbox
+        .execute(&format!(
+            "SELECT setval(pg_get_serial_sequence('{table}', 'id'), 2000000000)"
+        ))
+        .await;
     first.set(Mode::Pass);
     second.set_writable(&standby, false).await;
     let demoted = Instant::now();
@@ -388,6 +395,124 @@ async fn after_a_failover_the_pool_and_the_listen_connection_move_to_the_new_pri
 
     relay.stop().await;
     second.set_writable(&standby, true).await;
+    standby
+        .batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", outbox.schema))
+        .await
+        .expect("schema dropped");
+}
+
+/// A standby promoted while behind (asynchronous replication): its id
+/// sequence stands below ids the relay has already read and sent from the
+/// old primary, so its new rows take those ids again. The relay publishes
+/// none of them, says so in one ERROR naming the `setval` that fixes it,
+/// turns `/healthz` 503 once they wait past `max_lag_ms`, and resumes by
+/// itself once the sequence has passed them. (The private cluster stands for
+/// the standby: it had the table's rows up to the tenth when the primary
+/// went away.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_standby_promoted_behind_the_ids_sent_reuses_none_in_silence() {
+    let _cluster = CLUSTER_IN_USE.lock().await;
+    let second = tokio::task::spawn_blocking(cluster).await.expect("cluster");
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let table = outbox.qualified();
+    let mut on_second = Config::with_tenants(["migrate"]);
+    on_second.database_url = second.url().parse().expect("url");
+    on_second.schema = outbox.schema.clone();
+    on_second.table = outbox.table.clone();
+    outbox_relay::migrate::run(&Store::new(&on_second).expect("store"), &on_second)
+        .await
+        .expect("migrations apply on the second server");
+    let standby = second.client().await;
+    let first = Proxy::start("127.0.0.1:5432".parse().unwrap(), Mode::Pass).await;
+    let mut env = relay_env(&outbox, &broker, &["a"]);
+    set_env(
+        &mut env,
+        "OUTBOX_DATABASE_URL",
+        format!(
+            "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/test\
+             ?target_session_attrs=read-write&connect_timeout=2",
+            first.addr.port(),
+            second.port
+        ),
+    );
+    set_env(&mut env, "OUTBOX_POLL_MS", "200");
+    set_env(&mut env, "OUTBOX_MAX_LAG_MS", "1000");
+    let (relay, addr) = spawn_relay(&env).await;
+
+    // 1. The first server is the primary: 20 rows sent.
+    let sent = outbox.insert_many("a", 20).await;
+    eventually(
+        "rows on the primary relayed",
+        Duration::from_secs(30),
+        || async { outbox.all_pending().await == 0 },
+    )
+    .await;
+    let highest = *sent.last().unwrap();
+    let sequence = format!("pg_get_serial_sequence('{table}', 'id')");
+    standby
+        .batch_execute(&format!("SELECT setval({sequence}, {})", sent[9]))
+        .await
+        .expect("the standby's sequence behind");
+
+    // 2. Failover: the standby's new rows take ids already sent.
+    first.set(Mode::Refuse);
+    first.reset();
+    let reused = insert(&standby, &table, "a", 5).await;
+    assert!(reused.iter().all(|id| sent.contains(id)), "{reused:?}");
+    let fix = format!(
+        "fix: SELECT setval('{}.outbox_message_id_seq', GREATEST({highest}, (SELECT max(id) FROM \\\"{}\\\".\\\"{}\\\")))",
+        outbox.schema, outbox.schema, outbox.table
+    );
+    relay.until_said("ERROR", &fix, 1).await;
+    eventually(
+        "/healthz turns 503 past max_lag_ms",
+        Duration::from_secs(20),
+        || async { http_get(addr, "/healthz").await.0 == 503 },
+    )
+    .await;
+    let published = format!("SELECT count(*) FROM {table} WHERE published_at IS NOT NULL");
+    assert_eq!(count(&standby, &published).await, 0, "none of them marked");
+    assert_eq!(broker.count(), sent.len(), "none of them sent");
+
+    // 3. The sequence set past the ids sent: relaying resumes by itself.
+    standby
+        .batch_execute(&format!(
+            "SELECT setval({sequence}, GREATEST({highest}, (SELECT max(id) FROM {table})))"
+        ))
+        .await
+        .expect("the fix");
+    let later = insert(&standby, &table, "a", 5).await;
+    assert!(later[0] > highest, "{later:?}");
+    let pending = format!("SELECT count(*) FROM {table} WHERE published_at IS NULL");
+    eventually(
+        "the standby's rows relayed",
+        Duration::from_secs(30),
+        || async { count(&standby, &pending).await == 0 },
+    )
+    .await;
+    eventually("/healthz 200 again", Duration::from_secs(20), || async {
+        http_get(addr, "/healthz").await.0 == 200
+    })
+    .await;
+    eventually("every row received", Duration::from_secs(20), || async {
+        broker.count() >= sent.len() + reused.len() + later.len()
+    })
+    .await;
+    let expected: Vec<i64> = sent.iter().chain(&reused).chain(&later).copied().collect();
+    assert_eq!(by_tenant(&broker.received())["a"], expected, "in order");
+    assert_eq!(
+        relay.said("ERROR", &fix),
+        1,
+        "said once: {}",
+        relay.output()
+    );
+    assert_eq!(
+        relay.said("INFO", "relaying resumes"),
+        1,
+        "{}",
+        relay.output()
+    );
     standby
         .batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", outbox.schema))
         .await
