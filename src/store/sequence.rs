@@ -510,6 +510,28 @@ mod tests {
     }
 
     #[test]
+    fn a_holder_is_known_by_its_xid_once_it_has_one() {
+        let before_xid = Holder::parse("7/20");
+        let with_xid = Holder::parse("7/20 882");
+        let prepared = Holder::parse("-1/882 882");
+        let recovered = Holder::parse("-1/5 882");
+        assert!(
+            with_xid.is(&before_xid),
+            "the same transaction, its xid now drawn"
+        );
+        assert!(
+            prepared.is(&with_xid),
+            "prepared: another vxid, the same xid"
+        );
+        assert!(recovered.is(&with_xid), "recovered at start-up");
+        assert!(
+            !Holder::parse("7/20 900").is(&with_xid),
+            "after a restart, another transaction under that vxid"
+        );
+        assert!(!Holder::parse("8/3").is(&before_xid));
+    }
+
+    #[test]
     fn it_has_caught_up_only_past_the_highest_id_it_had_given() {
         let mut seen = PositionSeen::default();
         seen.note(602, Some(602));
