@@ -19,13 +19,13 @@ use tokio_postgres::{Client, NoTls};
 use crate::proxy::{Mode, Proxy};
 use crate::support::{
     Broker, Outbox, PrivateServer, by_tenant, config, eventually, free_port, http_get,
-    private_cluster, relay_command, relay_env, set_env, spawn_relay, start_relay,
+    private_cluster, relay_command, relay_env, set_env, spawn_relay, standby_of, start_relay,
 };
 
 /// The private cluster (see [`PrivateServer`]), with a database `test`.
 struct Cluster {
     port: u16,
-    _server: PrivateServer,
+    server: PrivateServer,
 }
 
 fn cluster() -> &'static Cluster {
@@ -38,7 +38,7 @@ fn cluster() -> &'static Cluster {
         );
         Cluster {
             port: server.port,
-            _server: server,
+            server,
         }
     })
 }
@@ -401,30 +401,51 @@ async fn after_a_failover_the_pool_and_the_listen_connection_move_to_the_new_pri
         .expect("schema dropped");
 }
 
-/// A standby promoted while behind (asynchronous replication): its id
-/// sequence stands below ids the relay has already read and sent from the
-/// old primary, so its new rows take those ids again. The relay publishes
-/// none of them, says so in one ERROR naming the `setval` that fixes it,
-/// turns `/healthz` 503 once they wait past `max_lag_ms`, and resumes by
-/// itself once the sequence has passed them. (The private cluster stands for
-/// the standby: it had the table's rows up to the tenth when the primary
-/// went away.)
+/// A standby promoted while behind (asynchronous replication, its stream
+/// cut): its id sequence stands below ids the relay has already read and
+/// sent from the old primary, so its new rows are numbered among them. The
+/// relay publishes none of them, says so in one ERROR naming the `setval`
+/// that fixes it, turns `/healthz` 503 once they wait past `max_lag_ms`, and
+/// resumes by itself once the sequence has passed them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_standby_promoted_behind_the_ids_sent_reuses_none_in_silence() {
     let _cluster = CLUSTER_IN_USE.lock().await;
-    let second = tokio::task::spawn_blocking(cluster).await.expect("cluster");
-    let outbox = Outbox::create().await;
-    let broker = Broker::create(&["#"]).await;
-    let table = outbox.qualified();
-    let mut on_second = Config::with_tenants(["migrate"]);
-    on_second.database_url = second.url().parse().expect("url");
-    on_second.schema = outbox.schema.clone();
-    on_second.table = outbox.table.clone();
-    outbox_relay::migrate::run(&Store::new(&on_second).expect("store"), &on_second)
+    let primary = tokio::task::spawn_blocking(cluster).await.expect("cluster");
+    let schema = crate::support::unique("behind");
+    let mut migrate = Config::with_tenants(["migrate"]);
+    migrate.database_url = primary.url().parse().expect("url");
+    migrate.schema = schema.clone();
+    outbox_relay::migrate::run(&Store::new(&migrate).expect("store"), &migrate)
         .await
-        .expect("migrations apply on the second server");
-    let standby = second.client().await;
-    let first = Proxy::start("127.0.0.1:5432".parse().unwrap(), Mode::Pass).await;
+        .expect("migrations apply on the primary");
+    let outbox = Outbox::adopt_in(
+        &primary.url(),
+        schema,
+        "outbox_message".into(),
+        primary.client().await,
+    );
+    let table = outbox.qualified();
+    let standby = tokio::task::spawn_blocking(|| {
+        standby_of(
+            &primary.server,
+            "standby",
+            "outbox-relay-standby-",
+            &["max_connections=60"],
+        )
+    })
+    .await
+    .expect("standby");
+    let replica = crate::support::db::pg_client_to(&format!(
+        "postgres://postgres@127.0.0.1:{}/test",
+        standby.port
+    ))
+    .await;
+    let broker = Broker::create(&["#"]).await;
+    let first = Proxy::start(
+        format!("127.0.0.1:{}", primary.port).parse().unwrap(),
+        Mode::Pass,
+    )
+    .await;
     let mut env = relay_env(&outbox, &broker, &["a"]);
     set_env(
         &mut env,
@@ -433,33 +454,51 @@ async fn a_standby_promoted_behind_the_ids_sent_reuses_none_in_silence() {
             "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/test\
              ?target_session_attrs=read-write&connect_timeout=2",
             first.addr.port(),
-            second.port
+            standby.port
         ),
     );
     set_env(&mut env, "OUTBOX_POLL_MS", "200");
     set_env(&mut env, "OUTBOX_MAX_LAG_MS", "1000");
     let (relay, addr) = spawn_relay(&env).await;
 
-    // 1. The first server is the primary: 20 rows sent.
-    let sent = outbox.insert_many("a", 20).await;
+    // 1. Ten rows sent from the primary, and replayed by the standby.
+    let mut sent = outbox.insert_many("a", 10).await;
+    let replayed = format!("SELECT count(*) FROM {table} WHERE published_at IS NOT NULL");
     eventually(
-        "rows on the primary relayed",
+        "sent, and replayed marked",
         Duration::from_secs(30),
-        || async { outbox.all_pending().await == 0 },
+        || async { outbox.all_pending().await == 0 && count(&replica, &replayed).await == 10 },
     )
     .await;
+    // 2. The standby's stream cut: 40 more rows sent that it never gets
+    // (more than the 32 values a sequence logs ahead).
+    for statement in [
+        "ALTER SYSTEM SET primary_conninfo = ''",
+        "SELECT pg_reload_conf()",
+    ] {
+        replica.batch_execute(statement).await.expect("stream cut");
+    }
+    eventually("the stream is cut", Duration::from_secs(20), || async {
+        count(&replica, "SELECT count(*) FROM pg_stat_wal_receiver").await == 0
+    })
+    .await;
+    sent.extend(outbox.insert_many("a", 40).await);
+    eventually("sent from the primary", Duration::from_secs(30), || async {
+        outbox.all_pending().await == 0
+    })
+    .await;
     let highest = *sent.last().unwrap();
-    let sequence = format!("pg_get_serial_sequence('{table}', 'id')");
-    standby
-        .batch_execute(&format!("SELECT setval({sequence}, {})", sent[9]))
-        .await
-        .expect("the standby's sequence behind");
 
-    // 2. Failover: the standby's new rows take ids already sent.
+    // 3. Failover: the primary gone, the standby promoted. Its new rows are
+    // numbered among ids already sent.
     first.set(Mode::Refuse);
     first.reset();
-    let reused = insert(&standby, &table, "a", 5).await;
-    assert!(reused.iter().all(|id| sent.contains(id)), "{reused:?}");
+    replica
+        .batch_execute("SELECT pg_promote()")
+        .await
+        .expect("promoted");
+    let reused = insert(&replica, &table, "a", 5).await;
+    assert!(reused.iter().all(|id| *id < highest), "{reused:?}");
     let fix = format!(
         "fix: SELECT setval('{}.outbox_message_id_seq', GREATEST({highest}, (SELECT max(id) FROM \\\"{}\\\".\\\"{}\\\")))",
         outbox.schema, outbox.schema, outbox.table
@@ -471,24 +510,28 @@ async fn a_standby_promoted_behind_the_ids_sent_reuses_none_in_silence() {
         || async { http_get(addr, "/healthz").await.0 == 503 },
     )
     .await;
-    let published = format!("SELECT count(*) FROM {table} WHERE published_at IS NOT NULL");
-    assert_eq!(count(&standby, &published).await, 0, "none of them marked");
+    let published = format!(
+        "SELECT count(*) FROM {table} WHERE published_at IS NOT NULL AND id >= {}",
+        reused[0]
+    );
+    assert_eq!(count(&replica, &published).await, 0, "none of them marked");
     assert_eq!(broker.count(), sent.len(), "none of them sent");
 
-    // 3. The sequence set past the ids sent: relaying resumes by itself.
-    standby
+    // 4. The sequence set past the ids sent: relaying resumes by itself.
+    let sequence = format!("pg_get_serial_sequence('{table}', 'id')");
+    replica
         .batch_execute(&format!(
             "SELECT setval({sequence}, GREATEST({highest}, (SELECT max(id) FROM {table})))"
         ))
         .await
         .expect("the fix");
-    let later = insert(&standby, &table, "a", 5).await;
+    let later = insert(&replica, &table, "a", 5).await;
     assert!(later[0] > highest, "{later:?}");
     let pending = format!("SELECT count(*) FROM {table} WHERE published_at IS NULL");
     eventually(
-        "the standby's rows relayed",
+        "the new primary's rows relayed",
         Duration::from_secs(30),
-        || async { count(&standby, &pending).await == 0 },
+        || async { count(&replica, &pending).await == 0 },
     )
     .await;
     eventually("/healthz 200 again", Duration::from_secs(20), || async {
@@ -513,10 +556,6 @@ async fn a_standby_promoted_behind_the_ids_sent_reuses_none_in_silence() {
         "{}",
         relay.output()
     );
-    standby
-        .batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", outbox.schema))
-        .await
-        .expect("schema dropped");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
