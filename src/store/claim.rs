@@ -4,6 +4,7 @@
 
 mod ahead;
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
 use deadpool_postgres::Object;
@@ -175,6 +176,13 @@ impl Store {
         if !taken {
             claim.rollback().await?;
             return Ok(None);
+        }
+        if sequence != 0 && position < self.highest_read.load(Ordering::Relaxed) {
+            // The sequence stands below ids already read (a failover to a
+            // standby that was behind, or set back): nothing goes out, and
+            // the check says why (see `Store::check_sequence`).
+            claim.rollback().await?;
+            return self.check_sequence().await.map(|_| None);
         }
         claim.twin_pending = twin_pending;
         claim.rows = rows;

@@ -2,6 +2,8 @@
 //! byte budget, each decoded as it arrives, its payload left in the row's
 //! buffer.
 
+use std::sync::atomic::Ordering;
+
 use bytes::Bytes;
 use deadpool_postgres::Object;
 use futures_util::TryStreamExt;
@@ -306,6 +308,9 @@ impl Store {
                 continue;
             }
             batch.push(decode(row, self.max_payload_bytes)?);
+        }
+        if let Some(highest) = batch.rows.iter().map(|row| row.id).max() {
+            self.highest_read.fetch_max(highest, Ordering::Relaxed);
         }
         Ok(batch)
     }

@@ -188,8 +188,9 @@ impl Store {
             self.sequence.store(0, Ordering::Relaxed);
             return Ok(0);
         };
+        let read = self.highest_read.load(Ordering::Relaxed);
         if let Some(position) = position {
-            self.note_position(&name, table, position, highest);
+            self.note_position(&name, table, position, highest, read);
         }
         let unfit = if cache != 1 {
             Some(format!(
@@ -217,6 +218,16 @@ impl Store {
             )));
         }
         self.sequence.store(oid, Ordering::Relaxed);
+        if position.is_some_and(|position| position < read) {
+            return Err(StoreError::Sequence(format!(
+                "the id sequence {name} of {table} stands below id {read}, which this relay has \
+                 already read and sent as message_id (a failover to a standby that was behind, \
+                 or the sequence set back): the rows it numbers next reuse ids already sent, \
+                 which consumers that deduplicate on message_id would drop, so nothing more is \
+                 relayed from the table until it passes {read}; fix: SELECT setval('{name}', \
+                 GREATEST({read}, (SELECT max(id) FROM {table})))"
+            )));
+        }
         Ok(oid)
     }
 
@@ -256,16 +267,24 @@ impl Store {
     }
 
     /// Notes where the id sequence `name` of `table` stands, and says once
-    /// when it falls behind an id it had already given, and once when it
+    /// when it falls behind an id it had already given (unless below `read`,
+    /// an id the relay read: the check's ERROR says that), and once when it
     /// has passed them again.
-    fn note_position(&self, name: &str, table: &str, position: i64, highest: Option<i64>) {
+    fn note_position(
+        &self,
+        name: &str,
+        table: &str,
+        position: i64,
+        highest: Option<i64>,
+        read: i64,
+    ) {
         let change = self
             .sequence_seen
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .note(position, highest);
         match change {
-            Some(PositionChange::Behind { given }) => tracing::warn!(
+            Some(PositionChange::Behind { given }) if position >= read => tracing::warn!(
                 sequence = name,
                 position,
                 given,
@@ -282,7 +301,7 @@ impl Store {
                 position,
                 "the id sequence {name} of {table} stands past every id it had given again"
             ),
-            None => {}
+            Some(PositionChange::Behind { .. }) | None => {}
         }
     }
 
@@ -488,6 +507,28 @@ mod tests {
             Some(PositionChange::Behind { given: 1_000 }),
             "a row inserted with an id the sequence never gave"
         );
+    }
+
+    #[test]
+    fn a_holder_is_known_by_its_xid_once_it_has_one() {
+        let before_xid = Holder::parse("7/20");
+        let with_xid = Holder::parse("7/20 882");
+        let prepared = Holder::parse("-1/882 882");
+        let recovered = Holder::parse("-1/5 882");
+        assert!(
+            with_xid.is(&before_xid),
+            "the same transaction, its xid now drawn"
+        );
+        assert!(
+            prepared.is(&with_xid),
+            "prepared: another vxid, the same xid"
+        );
+        assert!(recovered.is(&with_xid), "recovered at start-up");
+        assert!(
+            !Holder::parse("7/20 900").is(&with_xid),
+            "after a restart, another transaction under that vxid"
+        );
+        assert!(!Holder::parse("8/3").is(&before_xid));
     }
 
     #[test]

@@ -41,6 +41,10 @@ pub struct Store {
     pub(super) sequence_seen: Arc<Mutex<PositionSeen>>,
     /// Tenants that share a claim key (see `twins`).
     pub(super) twins: Arc<Mutex<Twins>>,
+    /// The highest id this relay has read from the table (`i64::MIN`:
+    /// none): a sequence standing below it would number new rows with ids
+    /// already sent (see [`Store::check_sequence`]).
+    pub(super) highest_read: Arc<AtomicI64>,
 }
 
 impl Store {
@@ -72,6 +76,7 @@ impl Store {
             sequence: Arc::new(AtomicI64::new(SEQUENCE_UNKNOWN)),
             sequence_seen: Arc::default(),
             twins: Arc::default(),
+            highest_read: Arc::new(AtomicI64::new(i64::MIN)),
         })
     }
 

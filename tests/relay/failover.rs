@@ -18,14 +18,14 @@ use tokio_postgres::{Client, NoTls};
 
 use crate::proxy::{Mode, Proxy};
 use crate::support::{
-    Broker, Outbox, PrivateServer, by_tenant, config, eventually, free_port, private_cluster,
-    relay_command, start_relay,
+    Broker, Outbox, PrivateServer, by_tenant, config, eventually, free_port, http_get,
+    private_cluster, relay_command, relay_env, set_env, spawn_relay, standby_of, start_relay,
 };
 
 /// The private cluster (see [`PrivateServer`]), with a database `test`.
 struct Cluster {
     port: u16,
-    _server: PrivateServer,
+    server: PrivateServer,
 }
 
 fn cluster() -> &'static Cluster {
@@ -38,7 +38,7 @@ fn cluster() -> &'static Cluster {
         );
         Cluster {
             port: server.port,
-            _server: server,
+            server,
         }
     })
 }
@@ -357,7 +357,14 @@ async fn after_a_failover_the_pool_and_the_listen_connection_move_to_the_new_pri
     .await;
 
     // 3. Back: the second server is demoted but stays up (its sessions stay
-    // open, now read-only), the first takes writes again.
+    // open, now read-only), the first takes writes again, its sequence set
+    // past the ids the second gave (or the relay would send none of its
+    // rows: see the test below).
+    outbox
+        .execute(&format!(
+            "SELECT setval(pg_get_serial_sequence('{table}', 'id'), 2000000000)"
+        ))
+        .await;
     first.set(Mode::Pass);
     second.set_writable(&standby, false).await;
     let demoted = Instant::now();
@@ -392,6 +399,163 @@ async fn after_a_failover_the_pool_and_the_listen_connection_move_to_the_new_pri
         .batch_execute(&format!("DROP SCHEMA \"{}\" CASCADE", outbox.schema))
         .await
         .expect("schema dropped");
+}
+
+/// A standby promoted while behind (asynchronous replication, its stream
+/// cut): its id sequence stands below ids the relay has already read and
+/// sent from the old primary, so its new rows are numbered among them. The
+/// relay publishes none of them, says so in one ERROR naming the `setval`
+/// that fixes it, turns `/healthz` 503 once they wait past `max_lag_ms`, and
+/// resumes by itself once the sequence has passed them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_standby_promoted_behind_the_ids_sent_reuses_none_in_silence() {
+    let _cluster = CLUSTER_IN_USE.lock().await;
+    let primary = tokio::task::spawn_blocking(cluster).await.expect("cluster");
+    let schema = crate::support::unique("behind");
+    let mut migrate = Config::with_tenants(["migrate"]);
+    migrate.database_url = primary.url().parse().expect("url");
+    migrate.schema = schema.clone();
+    outbox_relay::migrate::run(&Store::new(&migrate).expect("store"), &migrate)
+        .await
+        .expect("migrations apply on the primary");
+    let outbox = Outbox::adopt_in(
+        &primary.url(),
+        schema,
+        "outbox_message".into(),
+        primary.client().await,
+    );
+    let table = outbox.qualified();
+    let standby = tokio::task::spawn_blocking(|| {
+        standby_of(
+            &primary.server,
+            "standby",
+            "outbox-relay-standby-",
+            &["max_connections=60"],
+        )
+    })
+    .await
+    .expect("standby");
+    let replica = crate::support::db::pg_client_to(&format!(
+        "postgres://postgres@127.0.0.1:{}/test",
+        standby.port
+    ))
+    .await;
+    let broker = Broker::create(&["#"]).await;
+    let first = Proxy::start(
+        format!("127.0.0.1:{}", primary.port).parse().unwrap(),
+        Mode::Pass,
+    )
+    .await;
+    let mut env = relay_env(&outbox, &broker, &["a"]);
+    set_env(
+        &mut env,
+        "OUTBOX_DATABASE_URL",
+        format!(
+            "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/test\
+             ?target_session_attrs=read-write&connect_timeout=2",
+            first.addr.port(),
+            standby.port
+        ),
+    );
+    set_env(&mut env, "OUTBOX_POLL_MS", "200");
+    set_env(&mut env, "OUTBOX_MAX_LAG_MS", "1000");
+    let (relay, addr) = spawn_relay(&env).await;
+
+    // 1. Ten rows sent from the primary, and replayed by the standby.
+    let mut sent = outbox.insert_many("a", 10).await;
+    let replayed = format!("SELECT count(*) FROM {table} WHERE published_at IS NOT NULL");
+    eventually(
+        "sent, and replayed marked",
+        Duration::from_secs(30),
+        || async { outbox.all_pending().await == 0 && count(&replica, &replayed).await == 10 },
+    )
+    .await;
+    // 2. The standby's stream cut: 40 more rows sent that it never gets
+    // (more than the 32 values a sequence logs ahead).
+    for statement in [
+        "ALTER SYSTEM SET primary_conninfo = ''",
+        "SELECT pg_reload_conf()",
+    ] {
+        replica.batch_execute(statement).await.expect("stream cut");
+    }
+    eventually("the stream is cut", Duration::from_secs(20), || async {
+        count(&replica, "SELECT count(*) FROM pg_stat_wal_receiver").await == 0
+    })
+    .await;
+    sent.extend(outbox.insert_many("a", 40).await);
+    eventually("sent from the primary", Duration::from_secs(30), || async {
+        outbox.all_pending().await == 0
+    })
+    .await;
+    let highest = *sent.last().unwrap();
+
+    // 3. Failover: the primary gone, the standby promoted. Its new rows are
+    // numbered among ids already sent.
+    first.set(Mode::Refuse);
+    first.reset();
+    replica
+        .batch_execute("SELECT pg_promote()")
+        .await
+        .expect("promoted");
+    let reused = insert(&replica, &table, "a", 5).await;
+    assert!(reused.iter().all(|id| *id < highest), "{reused:?}");
+    let fix = format!(
+        "fix: SELECT setval('{}.outbox_message_id_seq', GREATEST({highest}, (SELECT max(id) FROM \\\"{}\\\".\\\"{}\\\")))",
+        outbox.schema, outbox.schema, outbox.table
+    );
+    relay.until_said("ERROR", &fix, 1).await;
+    eventually(
+        "/healthz turns 503 past max_lag_ms",
+        Duration::from_secs(20),
+        || async { http_get(addr, "/healthz").await.0 == 503 },
+    )
+    .await;
+    let published = format!(
+        "SELECT count(*) FROM {table} WHERE published_at IS NOT NULL AND id >= {}",
+        reused[0]
+    );
+    assert_eq!(count(&replica, &published).await, 0, "none of them marked");
+    assert_eq!(broker.count(), sent.len(), "none of them sent");
+
+    // 4. The sequence set past the ids sent: relaying resumes by itself.
+    let sequence = format!("pg_get_serial_sequence('{table}', 'id')");
+    replica
+        .batch_execute(&format!(
+            "SELECT setval({sequence}, GREATEST({highest}, (SELECT max(id) FROM {table})))"
+        ))
+        .await
+        .expect("the fix");
+    let later = insert(&replica, &table, "a", 5).await;
+    assert!(later[0] > highest, "{later:?}");
+    let pending = format!("SELECT count(*) FROM {table} WHERE published_at IS NULL");
+    eventually(
+        "the new primary's rows relayed",
+        Duration::from_secs(30),
+        || async { count(&replica, &pending).await == 0 },
+    )
+    .await;
+    eventually("/healthz 200 again", Duration::from_secs(20), || async {
+        http_get(addr, "/healthz").await.0 == 200
+    })
+    .await;
+    eventually("every row received", Duration::from_secs(20), || async {
+        broker.count() >= sent.len() + reused.len() + later.len()
+    })
+    .await;
+    let expected: Vec<i64> = sent.iter().chain(&reused).chain(&later).copied().collect();
+    assert_eq!(by_tenant(&broker.received())["a"], expected, "in order");
+    assert_eq!(
+        relay.said("ERROR", &fix),
+        1,
+        "said once: {}",
+        relay.output()
+    );
+    assert_eq!(
+        relay.said("INFO", "relaying resumes"),
+        1,
+        "{}",
+        relay.output()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -897,10 +897,11 @@ async fn a_sequence_altered_to_cache_rows_under_the_relay_stops_it_until_fixed()
 /// A sequence set back (by `setval`, a restore) would otherwise strand
 /// pending rows above its position without a word, and number new rows with
 /// ids already sent as `message_id`. The relay says so once at WARN, with
-/// the position, the id already given and the fix: at start when the table
-/// holds an id above the position, and within the check's 10 s of the next
-/// rows when it is set back (here restarted) under an idle relay. Once the
-/// sequence passes the row again, it goes out.
+/// the position, the id already given and the fix, at start when the table
+/// holds an id above the position; once the sequence passes the row again,
+/// it goes out. Set back (here restarted) under the relay below ids it has
+/// read and sent, it would number new rows with those ids: nothing goes out,
+/// one ERROR says so with the fix, and relaying resumes once it passes them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sequence_behind_an_id_it_gave_is_said_with_the_fix() {
     let outbox = Outbox::create().await;
@@ -960,14 +961,23 @@ async fn a_sequence_behind_an_id_it_gave_is_said_with_the_fix() {
         },
     )
     .await;
-    // Restarted under an idle relay: said once the next row goes out.
+    // Restarted under an idle relay, below ids the relay has sent: the next
+    // row would reuse one as its message_id. It waits, said once at ERROR
+    // with the fix, and goes out once the sequence passes them.
     outbox.execute("TRUNCATE {outbox} RESTART IDENTITY").await;
     outbox.insert("seq", "k", "s", Some("{}"), None).await;
-    said(&relay, second, 2).await;
+    let fix = format!("below id {second}, which this relay has already read and sent");
+    relay.until_said("ERROR", &fix, 1).await;
+    assert_eq!(outbox.pending("seq").await, 1, "the new row waits");
+    outbox
+        .execute(&format!("SELECT setval({sequence}, {second})"))
+        .await;
     eventually("the new row goes out", Duration::from_secs(20), || async {
         outbox.pending("seq").await == 0
     })
     .await;
+    assert_eq!(relay.said("ERROR", &fix), 1, "{}", relay.output());
+    assert_eq!(relay.said("WARN", ", below id"), 1, "{}", relay.output());
 }
 
 /// Waits until `relay` has said `times` at WARN that the id sequence stands

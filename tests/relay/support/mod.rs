@@ -29,7 +29,7 @@ pub use process::{
     RelayProcess, binary_command, lines_at, relay_command, relay_env, set_env, spawn_relay,
     spawn_relay_of,
 };
-pub use services::{PrivateServer, free_port, initdb, private_cluster};
+pub use services::{PrivateServer, free_port, initdb, private_cluster, standby_of};
 
 /// A name no other test (or earlier run) uses.
 pub fn unique(prefix: &str) -> String {

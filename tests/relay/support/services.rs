@@ -53,6 +53,54 @@ pub fn initdb(data: &str) {
 /// [`initdb`] and started with `settings` (`name=value`), with a database
 /// `test`: the failover and two-phase tests' servers.
 pub fn private_cluster(what: &str, prefix: &str, settings: &[&str]) -> PrivateServer {
+    let base = postgres_dir(prefix);
+    let data = format!("{base}/data");
+    initdb(&data);
+    let server = PrivateServer::start(what, &data, &base, &base, &arguments(settings));
+    server.psql("postgres", "CREATE DATABASE test");
+    server
+}
+
+/// A streaming standby of `primary`, in a temporary folder of its own
+/// (`prefix…`): a base backup (`pg_basebackup -R`) started with `settings`.
+/// It replays the primary's WAL until promoted (`pg_promote()`).
+pub fn standby_of(
+    primary: &PrivateServer,
+    what: &str,
+    prefix: &str,
+    settings: &[&str],
+) -> PrivateServer {
+    let base = postgres_dir(prefix);
+    let data = format!("{base}/data");
+    let pg_basebackup = postgres_bin().join("pg_basebackup").display().to_string();
+    let port = primary.port.to_string();
+    let output = as_postgres(&[
+        &pg_basebackup,
+        "-D",
+        &data,
+        "-R",
+        "-h",
+        &primary.socket_dir,
+        "-p",
+        &port,
+        "-U",
+        "postgres",
+        "--checkpoint=fast",
+        "--no-sync",
+    ])
+    .output()
+    .expect("pg_basebackup runs");
+    assert!(
+        output.status.success(),
+        "pg_basebackup: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    PrivateServer::start(what, &data, &base, &base, &arguments(settings))
+}
+
+/// A temporary folder (`prefix…`) owned by postgres, kept: the server's
+/// shell parent removes it.
+fn postgres_dir(prefix: &str) -> String {
     let dir = tempfile::Builder::new()
         .prefix(prefix)
         .tempdir()
@@ -64,16 +112,15 @@ pub fn private_cluster(what: &str, prefix: &str, settings: &[&str]) -> PrivateSe
         .status()
         .expect("chown");
     assert!(status.success());
-    let base = dir.display().to_string();
-    let data = format!("{base}/data");
-    initdb(&data);
-    let settings: Vec<String> = settings
+    dir.display().to_string()
+}
+
+/// `name=value` settings as `postgres` arguments.
+fn arguments(settings: &[&str]) -> Vec<String> {
+    settings
         .iter()
         .flat_map(|setting| ["-c".to_string(), setting.to_string()])
-        .collect();
-    let server = PrivateServer::start(what, &data, &base, &base, &settings);
-    server.psql("postgres", "CREATE DATABASE test");
-    server
+        .collect()
 }
 
 /// A PostgreSQL server of this test run's own (a second primary, a TLS
