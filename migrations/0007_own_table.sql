@@ -28,31 +28,30 @@ DO $outbox_relay$
 DECLARE
     body text := $body$
 DECLARE
-    table_key pg_catalog.text := TG_TABLE_SCHEMA OPERATOR(pg_catalog.||) '.'
-                                 OPERATOR(pg_catalog.||) TG_TABLE_NAME;
-    root pg_catalog.oid;
     id_sequence pg_catalog.regclass;
     channel pg_catalog.text;
+    key_hash pg_catalog.int4;
+    table_key pg_catalog.text;
+    root pg_catalog.oid;
     shared pg_catalog.bool := COALESCE(TG_ARGV[3] OPERATOR(pg_catalog.=) 'shared', false);
     writer_key pg_catalog.int8;
 BEGIN
     -- TG_ARGV [0] the lock key, [1] the id sequence, [2] the channel: ignored;
     -- [3] 'shared' or 'exclusive' (absent on 0002's triggers: exclusive).
-    FOR pass IN 1 .. 2 LOOP
-        CASE table_key
-            WHEN '' THEN NULL;
-{known}            ELSE NULL;
-        END CASE;
-        IF pass OPERATOR(pg_catalog.=) 1 THEN
-            -- Not a table set up by migrate: a partition acts for its root.
-            SELECT n.nspname OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||) c.relname, c.oid
-              INTO table_key, root
-              FROM pg_catalog.pg_class c
-              JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace
-             WHERE c.oid OPERATOR(pg_catalog.=)
-                   COALESCE(pg_catalog.pg_partition_root(TG_RELID), TG_RELID);
-        ELSE
-            -- Nor its root: the table's own sequence and channel, looked up.
+    -- Every operator schema-qualified (a CASE's `=` would not be).
+    IF false THEN
+{by_oid}    ELSE
+        -- A partition (it acts for its root), a table restored under
+        -- another oid, or one set up since: by its root's names.
+        SELECT n.nspname OPERATOR(pg_catalog.||) '.' OPERATOR(pg_catalog.||) c.relname, c.oid
+          INTO table_key, root
+          FROM pg_catalog.pg_class c
+          JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) c.relnamespace
+         WHERE c.oid OPERATOR(pg_catalog.=)
+               COALESCE(pg_catalog.pg_partition_root(TG_RELID), TG_RELID);
+        IF false THEN
+{by_name}        ELSE
+            -- Its own sequence, looked up; its channel if short.
             id_sequence := pg_catalog.pg_get_serial_sequence(
                                root::pg_catalog.regclass::pg_catalog.text, 'id');
             IF id_sequence IS NULL THEN
@@ -61,11 +60,12 @@ BEGIN
             IF pg_catalog.octet_length(table_key) OPERATOR(pg_catalog.<=) 56 THEN
                 channel := 'outbox.' OPERATOR(pg_catalog.||) table_key;
             END IF;
+            key_hash := pg_catalog.hashtext(table_key);
         END IF;
-    END LOOP;
+    END IF;
     IF COALESCE(pg_catalog.current_setting('outbox_relay.commit_order', true), '')
            OPERATOR(pg_catalog.<>) 'off' THEN
-        writer_key := (pg_catalog.hashtext(table_key)::pg_catalog.int8 OPERATOR(pg_catalog.<<) 32)
+        writer_key := (key_hash::pg_catalog.int8 OPERATOR(pg_catalog.<<) 32)
                       OPERATOR(pg_catalog.|)
                       (pg_catalog.hashtext(NEW.tenant_id)::pg_catalog.int8
                        OPERATOR(pg_catalog.&) 4294967295::pg_catalog.int8);
@@ -82,11 +82,9 @@ BEGIN
        AND (NOT shared
             -- A relay waits (holds the wake-up lock): the shared try fails.
             OR NOT CASE WHEN pg_catalog.pg_try_advisory_lock_shared(
-                                 pg_catalog.hashtext('outbox-relay wakeup'),
-                                 pg_catalog.hashtext(table_key))
+                                 pg_catalog.hashtext('outbox-relay wakeup'), key_hash)
                         THEN pg_catalog.pg_advisory_unlock_shared(
-                                 pg_catalog.hashtext('outbox-relay wakeup'),
-                                 pg_catalog.hashtext(table_key))
+                                 pg_catalog.hashtext('outbox-relay wakeup'), key_hash)
                         ELSE false END) THEN
         PERFORM pg_catalog.pg_notify(channel,
             CASE WHEN pg_catalog.octet_length(NEW.tenant_id) OPERATOR(pg_catalog.<) 8000
@@ -101,7 +99,9 @@ $body$;
          WHERE p.pronamespace OPERATOR(pg_catalog.=) pg_catalog.to_regnamespace(schema_name)
            AND p.proname IN ('outbox_relay_insert', 'outbox_relay_before_insert')
            AND p.pronargs OPERATOR(pg_catalog.=) 0);
-    known text := '';
+    by_oid text := '';
+    by_name text := '';
+    assign text;
     owners text[] := '{}';
     served record;
     table_key text;
@@ -113,7 +113,7 @@ BEGIN
     -- Every table the functions serve: not a partition (it acts for its
     -- root), not a session's temporary table.
     FOR served IN
-        SELECT DISTINCT n.nspname, c.relname, pg_catalog.pg_get_userbyid(c.relowner) AS owner,
+        SELECT DISTINCT c.oid, n.nspname, c.relname, pg_catalog.pg_get_userbyid(c.relowner) AS owner,
                pg_catalog.pg_get_serial_sequence(pg_catalog.format('%I.%I', n.nspname, c.relname), 'id')
                    AS id_sequence
           FROM pg_catalog.pg_trigger t
@@ -121,7 +121,7 @@ BEGIN
           JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
          WHERE t.tgfoid = ANY (functions) AND t.tgname = 'outbox_relay_commit_order'
            AND NOT c.relispartition AND c.relpersistence <> 't'
-         ORDER BY 1, 2
+         ORDER BY 2, 3
     LOOP
         owners := owners || served.owner::text;
         CONTINUE WHEN served.id_sequence IS NULL;
@@ -141,10 +141,14 @@ BEGIN
             END IF;
             channel := 'outbox.' || lpad(to_hex(hash::bigint), 16, '0');
         END IF;
-        known := known || format(
-            E'            WHEN %L THEN\n'
-            '                id_sequence := %L::pg_catalog.regclass; channel := %L; EXIT;\n',
-            table_key, served.id_sequence, channel);
+        -- Constants only: the hash of a literal is computed once per session.
+        assign := format('id_sequence := %L::pg_catalog.regclass; channel := %L; '
+                         'key_hash := pg_catalog.hashtext(%L);',
+                         served.id_sequence, channel, table_key);
+        by_oid := by_oid || format(E'    ELSIF TG_RELID OPERATOR(pg_catalog.=) %s::pg_catalog.oid THEN\n        %s\n',
+                                   served.oid, assign);
+        by_name := by_name || format(E'        ELSIF table_key OPERATOR(pg_catalog.=) %L::pg_catalog.text THEN\n            %s\n',
+                                     table_key, assign);
     END LOOP;
     IF to_regprocedure(format('%I.outbox_relay_before_insert()', schema_name)) IS NOT NULL
        AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_trigger t
@@ -158,7 +162,11 @@ BEGIN
                    format('%I.%I()', schema_name, p.proname)) IS NOT NULL
     LOOP
         EXECUTE format('CREATE OR REPLACE FUNCTION %s RETURNS trigger LANGUAGE plpgsql '
-                       'SECURITY DEFINER AS %L', fn, replace(body, '{known}', known));
+                       'SECURITY DEFINER AS %L', fn,
+                       -- One pass: a name holding a placeholder's text stays as it is.
+                       split_part(body, '{by_oid}', 1) || by_oid
+                       || split_part(split_part(body, '{by_oid}', 2), '{by_name}', 1) || by_name
+                       || split_part(body, '{by_name}', 2));
         EXECUTE format('REVOKE EXECUTE ON FUNCTION %s FROM PUBLIC', fn);
         FOR owner_name IN SELECT DISTINCT o FROM unnest(owners) o LOOP
             EXECUTE format('GRANT EXECUTE ON FUNCTION %s TO %I', fn, owner_name);

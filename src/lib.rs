@@ -277,7 +277,12 @@ async fn warn_about_schema(relay: Arc<Relay>, stop: Shutdown) {
         }
     };
     for missing in &report.missing {
-        tracing::warn!(schema = %relay.config.schema, table = %relay.config.table, "{missing}");
+        let (schema, table) = (&relay.config.schema, &relay.config.table);
+        if *missing == migrate::Missing::PartitionedById {
+            tracing::error!(%schema, %table, "{missing}");
+        } else {
+            tracing::warn!(%schema, %table, "{missing}");
+        }
     }
 }
 

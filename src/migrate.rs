@@ -364,6 +364,13 @@ async fn prepare(client: &mut ClientWrapper, config: &Config) -> Result<BTreeSet
             "the table was dropped since its migrations ran; they run again"
         );
     }
+    let partitioned_by_id: bool = tx
+        .query_typed_one(check::PARTITIONED_BY_ID, &[(&qualified, Type::TEXT)])
+        .await?
+        .try_get(0)?;
+    if partitioned_by_id {
+        return Err(StoreError::Refused(Missing::PartitionedById.to_string()));
+    }
     let versions = tx
         .query_typed(RECORDED_ALL, &[(&config.table, Type::TEXT)])
         .await?

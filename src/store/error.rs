@@ -38,6 +38,10 @@ pub enum StoreError {
     /// [`Store::check_sequence`](super::Store::check_sequence)).
     #[error("{0}")]
     Sequence(String),
+    /// The table has a shape the relay refuses (`migrate` applies nothing
+    /// to it), with the reason.
+    #[error("{0}")]
+    Refused(String),
 }
 
 impl From<tokio_postgres::Error> for StoreError {
@@ -71,7 +75,7 @@ impl StoreError {
             | StoreError::Build(_)
             | StoreError::ReadOnly => true,
             StoreError::Query(error) => connection_lost(error),
-            StoreError::Columns(_) | StoreError::Sequence(_) => false,
+            StoreError::Columns(_) | StoreError::Sequence(_) | StoreError::Refused(_) => false,
         }
     }
 

@@ -563,7 +563,7 @@ async fn catalog(client: &Client, schema: &str) -> Vec<String> {
           WHERE n.nspname = $1 AND NOT t.tgisinternal
          UNION ALL
          SELECT 'function ' || p.proname || ' ' || p.prosecdef || ' '
-                || coalesce(array_to_string(p.proconfig, ','), '') || ' ' || md5(replace(p.prosrc, $1, 'S'))
+                || coalesce(array_to_string(p.proconfig, ','), '') || ' ' || md5(regexp_replace(replace(p.prosrc, $1, 'S'), '\\d+::pg_catalog\\.oid', 'oid', 'g'))
                 || ' ' || coalesce(array_to_string(p.proacl, ','), '')
            FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = $1
          UNION ALL
