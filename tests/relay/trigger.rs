@@ -238,7 +238,8 @@ async fn names_that_look_like_quoting_or_placeholders_migrate_and_relay() {
 }
 
 /// A table partitioned by `tenant_id` whose partition is partitioned again by
-/// `id`: `migrate` refuses it and the check at start names it, with the
+/// `id`: `migrate` and its printed script refuse it and the check at start
+/// names it, with the
 /// reason (at partition boundaries, the application's inserts fail).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_table_partitioned_by_id_at_any_level_is_refused_with_the_reason() {
@@ -268,6 +269,22 @@ async fn a_table_partitioned_by_id_at_any_level_is_refused_with_the_reason() {
         refused.contains("partitioned by a key that includes `id`")
             && refused.contains("moving row to another partition"),
         "{refused}"
+    );
+    let script = tempfile::NamedTempFile::new().expect("a file");
+    std::fs::write(
+        script.path(),
+        outbox_relay::migrate::script(&schema, &outbox.table),
+    )
+    .expect("the script written");
+    let psql = std::process::Command::new("psql")
+        .args([DATABASE_URL, "-q", "-v", "ON_ERROR_STOP=1", "-f"])
+        .arg(script.path())
+        .output()
+        .expect("psql runs");
+    let said = String::from_utf8_lossy(&psql.stderr);
+    assert!(
+        !psql.status.success() && said.contains("partitioned by a key that includes `id`"),
+        "the printed script refuses it too: {said}"
     );
     let report = outbox_relay::migrate::check_schema(&store, &migrations)
         .await
