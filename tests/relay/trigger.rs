@@ -127,6 +127,44 @@ async fn a_borrowed_trigger_function_never_draws_from_another_sequence() {
     relay.stop().await;
 }
 
+/// 0002's function stays while another table's trigger still calls it (that
+/// table not migrated past 0004), and acts for that table: its own sequence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_old_function_stays_for_a_table_that_still_calls_it() {
+    let outbox = Outbox::adopt(unique("older"), "outbox_message".into(), pg_client().await);
+    let older = migrate_config(&outbox.schema, "older");
+    apply(
+        &Store::new(&older).expect("store"),
+        &older,
+        &MIGRATIONS[..4],
+    )
+    .await
+    .expect("0001 to 0004 for the older table");
+    let newer = migrate_config(&outbox.schema, &outbox.table);
+    run(&Store::new(&newer).expect("store"), &newer)
+        .await
+        .expect("every migration for the other");
+    let schema = &outbox.schema;
+    let row = outbox
+        .client
+        .query_one(
+            &format!(
+                "WITH written AS (INSERT INTO \"{schema}\".older (tenant_id, kind, subject_id) \
+                 VALUES ('t', 'k', 's') RETURNING id) \
+                 SELECT (SELECT id FROM written), \
+                        to_regprocedure($1::text) IS NOT NULL, \
+                        has_function_privilege('public', $1::text, 'EXECUTE')"
+            ),
+            &[&format!("\"{schema}\".outbox_relay_before_insert()")],
+        )
+        .await
+        .expect("an insert into the older table");
+    let drawn = last_value(&outbox.client, &format!("\"{schema}\".older_id_seq")).await;
+    assert_eq!(row.get::<_, i64>(0), drawn, "its own sequence");
+    assert!(row.get::<_, bool>(1), "0002's function stays");
+    assert!(!row.get::<_, bool>(2), "PUBLIC may not execute it");
+}
+
 /// The runbook's table partitioned by time, owned by a role that is not a
 /// superuser, migrated by a superuser: its owner creates a partition and
 /// attaches another (PostgreSQL checks `EXECUTE` on the trigger's function
