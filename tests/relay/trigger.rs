@@ -334,3 +334,35 @@ async fn a_table_partitioned_by_id_at_any_level_is_refused_with_the_reason() {
         "{report:?}"
     );
 }
+
+/// The function's channel is the one the relay listens on, also when that is
+/// hashed (`outbox.` and the FNV-1a hash of a name over 63 bytes, not ASCII):
+/// 0007 computes it in SQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_names_channel_is_the_one_the_relay_listens_on() {
+    let outbox = Outbox::adopt(
+        unique("ééééééééééééééé"),
+        "outbox_message".into(),
+        pg_client().await,
+    );
+    let migrations = migrate_config(&outbox.schema, &outbox.table);
+    run(&Store::new(&migrations).expect("store"), &migrations)
+        .await
+        .expect("migrate");
+    let channel = outbox_relay::migrate::wakeup_channel(&outbox.schema, &outbox.table);
+    assert_eq!(channel.len(), "outbox.".len() + 16, "hashed: {channel}");
+    let baked: bool = outbox
+        .client
+        .query_one(
+            "SELECT prosrc LIKE '%channel := ' || quote_literal($1::text) || '%' FROM pg_proc \
+             WHERE oid = to_regprocedure($2::text)",
+            &[
+                &channel,
+                &format!("\"{}\".outbox_relay_insert()", outbox.schema),
+            ],
+        )
+        .await
+        .expect("the function")
+        .get(0);
+    assert!(baked, "the function notifies {channel}");
+}
