@@ -328,7 +328,11 @@ async fn warn_about_schema(relay: Arc<Relay>, stop: Shutdown, retention: Arc<ret
         match migrate::check_schema(&relay.store, &relay.config).await {
             Ok(report) => {
                 for missing in &report.missing {
-                    tracing::warn!(%schema, %table, "{missing}");
+                    if *missing == migrate::Missing::PartitionedById {
+                        tracing::error!(%schema, %table, "{missing}");
+                    } else {
+                        tracing::warn!(%schema, %table, "{missing}");
+                    }
                 }
                 break;
             }

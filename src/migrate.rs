@@ -17,7 +17,7 @@ use deadpool_postgres::{ClientWrapper, Object};
 use tokio_postgres::types::Type;
 
 use crate::config::Config;
-use crate::sql::{qualified_table, quote_ident};
+use crate::sql::{fill, qualified_table, quote_ident};
 use crate::store::{Store, StoreError, within};
 
 pub use check::{Missing, SchemaReport, TRIGGER, check_schema};
@@ -90,17 +90,29 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../migrations/0005_writer_lock.sql"),
         trigger_only: true,
     },
+    // Version 6 is the second step of 0005 ([`FINISH`]).
+    Migration {
+        version: 7,
+        name: "0007_own_table",
+        sql: include_str!("../migrations/0007_own_table.sql"),
+        trigger_only: true,
+    },
 ];
 
 /// The second step of the writer lock (`outbox-relay migrate --finish`): the
 /// trigger of 0005 re-created in the shared mode, in which writers never
 /// wait for each other. Not in [`MIGRATIONS`]: older relays rely on the
 /// exclusive mode, so it is taken only once none reads the table (or at once
-/// for a table `migrate` creates: see [`run`]).
+/// for a table `migrate` creates: see [`run`]). 0005's function body is put
+/// back with it, so 0007 follows, to make it act for its own table again.
 pub const FINISH: Migration = Migration {
     version: 6,
     name: "0006_writers_shared",
-    sql: include_str!("../migrations/0005_writer_lock.sql"),
+    sql: concat!(
+        include_str!("../migrations/0005_writer_lock.sql"),
+        "\n",
+        include_str!("../migrations/0007_own_table.sql")
+    ),
     trigger_only: true,
 };
 
@@ -201,9 +213,9 @@ const NO_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(16 * 60);
 /// `outbox_message_pending_unparked` while it is rebuilt, and
 /// `outbox_message_parked`),
 /// and take the names as string literals where they build SQL themselves
-/// (`{schema_literal}`, `{table_literal}`, `{lock_key_literal}`,
-/// `{channel_literal}`). One pass: what is substituted is never read again,
-/// so a name holding a placeholder's text stays as it is.
+/// (`{table_literal}`, `{channel_literal}`), never inside a dollar-quoted
+/// body. One pass: what is substituted is never read again, so a name
+/// holding a placeholder's text stays as it is.
 pub fn render(sql: &str, schema: &str, table: &str) -> String {
     render_mode(sql, schema, table, "exclusive")
 }
@@ -224,39 +236,14 @@ fn render_mode(sql: &str, schema: &str, table: &str, writer_mode: &str) -> Strin
             quote_ident(&format!("{table}_pending")),
         ),
         ("outbox_message", quote_ident(table)),
-        ("{schema_literal}", quote_literal(schema)),
         ("{table_literal}", quote_literal(table)),
-        (
-            "{lock_key_literal}",
-            quote_literal(&format!("{schema}.{table}")),
-        ),
         (
             "{channel_literal}",
             quote_literal(&wakeup_channel(schema, table)),
         ),
         ("{writer_mode_literal}", quote_literal(writer_mode)),
     ];
-    let mut out = String::with_capacity(sql.len());
-    let mut rest = sql;
-    while let Some(at) = rest.find(['o', '{']) {
-        out.push_str(&rest[..at]);
-        rest = &rest[at..];
-        match replacements
-            .iter()
-            .find(|(token, _)| rest.starts_with(token))
-        {
-            Some((token, value)) => {
-                out.push_str(value);
-                rest = &rest[token.len()..];
-            }
-            None => {
-                out.push_str(&rest[..1]);
-                rest = &rest[1..];
-            }
-        }
-    }
-    out.push_str(rest);
-    out
+    fill(sql, &replacements)
 }
 
 /// A migration transaction's bounds, its quiet (the "already exists,
@@ -441,6 +428,13 @@ async fn prepare(client: &mut ClientWrapper, config: &Config) -> Result<BTreeSet
             forgotten,
             "the table was dropped since its migrations ran; they run again"
         );
+    }
+    let partitioned_by_id: bool = tx
+        .query_typed_one(check::PARTITIONED_BY_ID, &[(&qualified, Type::TEXT)])
+        .await?
+        .try_get(0)?;
+    if partitioned_by_id {
+        return Err(StoreError::Refused(Missing::PartitionedById.to_string()));
     }
     let versions = tx
         .query_typed(RECORDED_ALL, &[(&config.table, Type::TEXT)])
@@ -674,26 +668,46 @@ mod tests {
     fn the_trigger_takes_its_names_as_literals() {
         let sql = render(MIGRATIONS[1].sql, "app's", "out\"box");
         assert!(
-            sql.contains("format('%I.%I', 'app''s', 'out\"box')"),
+            sql.contains("SET LOCAL outbox_relay.migrate_table = 'out\"box';"),
             "{sql}"
         );
         assert!(
-            sql.contains("'app''s.out\"box', id_sequence, 'outbox.app''s.out\"box'"),
+            sql.contains("SET LOCAL outbox_relay.migrate_channel = 'outbox.app''s.out\"box';"),
             "{sql}"
         );
         assert!(!sql.contains('{'), "every placeholder filled: {sql}");
     }
 
     #[test]
+    fn no_name_is_written_inside_a_dollar_quoted_body() {
+        for migration in MIGRATIONS.iter().chain([&FINISH]) {
+            let sql = migration.render("x$outbox_relay$y", "t$outbox_relay$");
+            let mut inside = false;
+            for line in sql.lines() {
+                if line.ends_with(" $outbox_relay$") || line == "$outbox_relay$;" {
+                    inside = line != "$outbox_relay$;";
+                } else if inside {
+                    assert!(
+                        !line.contains("$outbox_relay$"),
+                        "{}: {line}",
+                        migration.name
+                    );
+                }
+            }
+            assert!(!inside, "{}", migration.name);
+        }
+    }
+
+    #[test]
     fn a_name_holding_a_placeholder_is_not_substituted_again() {
         let sql = render(
-            "{schema_literal} {table_literal} outbox_message",
+            "{table_literal} {channel_literal} outbox_message",
             "s{table_literal}",
-            "t{schema_literal}outbox_message",
+            "t{channel_literal}outbox_message",
         );
         assert_eq!(
             sql,
-            "'s{table_literal}' 't{schema_literal}outbox_message' \"t{schema_literal}outbox_message\""
+            "'t{channel_literal}outbox_message' 'outbox.s{table_literal}.t{channel_literal}outbox_message' \"t{channel_literal}outbox_message\""
         );
     }
 
@@ -714,9 +728,17 @@ mod tests {
 
     #[test]
     fn the_versions_are_the_file_numbers_in_order() {
-        for (n, migration) in MIGRATIONS.iter().enumerate() {
-            assert_eq!(migration.version, i32::try_from(n + 1).unwrap());
-            assert!(migration.name.starts_with(&format!("{:04}_", n + 1)));
+        let mut versions: Vec<i32> = MIGRATIONS.iter().map(|m| m.version).collect();
+        versions.push(FINISH.version);
+        versions.sort_unstable();
+        assert_eq!(versions, (1..=7).collect::<Vec<_>>());
+        for migration in MIGRATIONS {
+            assert!(
+                migration
+                    .name
+                    .starts_with(&format!("{:04}_", migration.version))
+            );
         }
+        assert!(MIGRATIONS.windows(2).all(|w| w[0].version < w[1].version));
     }
 }

@@ -31,7 +31,7 @@ use crate::config::Config;
 use crate::grants::MissingGrant;
 use crate::metrics::Metrics;
 use crate::shutdown::Shutdown;
-use crate::sql::qualified_table;
+use crate::sql::{fill, qualified_table};
 use crate::store::{Store, StoreError, within};
 
 const COLUMNS: &str = include_str!("store/retention_columns.sql");
@@ -72,10 +72,14 @@ fn ended(row: &str, parked_at: bool, discarded_at: bool) -> String {
 
 /// The DELETE of one batch for a table with these columns.
 fn delete_statement(table: &str, parked_at: bool, discarded_at: bool) -> String {
-    DELETE
-        .replace("{table}", table)
-        .replace("{ended_o}", &ended("o", parked_at, discarded_at))
-        .replace("{ended_t}", &ended("t", parked_at, discarded_at))
+    fill(
+        DELETE,
+        &[
+            ("{table}", table.to_string()),
+            ("{ended_o}", ended("o", parked_at, discarded_at)),
+            ("{ended_t}", ended("t", parked_at, discarded_at)),
+        ],
+    )
 }
 
 /// What one batch of a round did: the rows it looked at, the last of

@@ -19,6 +19,28 @@ pub fn qualified_table(schema: &str, table: &str) -> String {
     format!("{}.{}", quote_ident(schema), quote_ident(table))
 }
 
+/// `template` with each placeholder (`token`) replaced by its value, in one
+/// pass: what is substituted is never read again, so a configured name that
+/// holds a placeholder's text (a table `o{channel}x`) stays as it is. The
+/// first token that matches wins: list a token before its prefixes.
+pub fn fill<S: AsRef<str>>(template: &str, values: &[(&str, S)]) -> String {
+    let mut out = String::with_capacity(template.len());
+    let mut rest = template;
+    while let Some(next) = rest.chars().next() {
+        match values.iter().find(|(token, _)| rest.starts_with(token)) {
+            Some((token, value)) => {
+                out.push_str(value.as_ref());
+                rest = &rest[token.len()..];
+            }
+            None => {
+                out.push(next);
+                rest = &rest[next.len_utf8()..];
+            }
+        }
+    }
+    out
+}
+
 /// The channel the commit-order trigger notifies and the relay listens on:
 /// `outbox.<schema>.<table>` when that fits PostgreSQL's 63 bytes, else
 /// `outbox.` and a 64-bit FNV-1a hash of `<schema>.<table>` in hex.
@@ -48,6 +70,16 @@ pub fn fnv1a(bytes: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_name_holding_a_placeholder_is_not_substituted_again() {
+        let table = quote_ident("o{channel}x");
+        let sql = fill(
+            "SELECT {table}, {channel}",
+            &[("{table}", table.as_str()), ("{channel}", "'outbox.s.t'")],
+        );
+        assert_eq!(sql, "SELECT \"o{channel}x\", 'outbox.s.t'");
+    }
 
     #[test]
     fn the_channel_fits_postgresqls_identifiers() {

@@ -9,7 +9,12 @@ use crate::config::Config;
 use crate::sql::{qualified_table, wakeup_channel};
 use crate::store::{Store, StoreError};
 
-const CHECK: &str = include_str!("check.sql");
+const CHECK: &str = concat!(
+    include_str!("check.sql"),
+    include_str!("partitioned_by_id.sql")
+);
+/// Whether the table (`$1`) is partitioned by a key that includes `id`.
+pub(super) const PARTITIONED_BY_ID: &str = concat!("SELECT", include_str!("partitioned_by_id.sql"));
 
 /// The trigger `migrations/0002_commit_order.sql` installs.
 pub const TRIGGER: &str = "outbox_relay_commit_order";
@@ -54,6 +59,9 @@ pub enum Missing {
     TriggerDisabled,
     /// The trigger's arguments name another table's lock key or channel.
     TriggerArguments,
+    /// The table is partitioned (at some level) by a key that includes `id`:
+    /// refused by `migrate`, an ERROR at start.
+    PartitionedById,
 }
 
 impl fmt::Display for Missing {
@@ -104,6 +112,15 @@ impl fmt::Display for Missing {
                  key or channel (a copied or renamed table): its writers do not serialise with \
                  this table's, and their inserts do not wake this relay; {FIX}"
             ),
+            Missing::PartitionedById => write!(
+                f,
+                "the outbox table is partitioned by a key that includes `id`: the commit-order \
+                 trigger draws a row's id after PostgreSQL routed the row by the id its default \
+                 drew, so at partition boundaries the application's inserts fail (\"moving row \
+                 to another partition during a BEFORE FOR EACH ROW trigger is not supported\"); \
+                 partition it by `occurred_at` or `tenant_id` instead (docs/operations.md, \
+                 \"Retention\")"
+            ),
         }
     }
 }
@@ -143,6 +160,9 @@ pub async fn check_schema(store: &Store, config: &Config) -> Result<SchemaReport
     let enabled: Option<String> = row.try_get("trigger_enabled")?;
     let arguments: Option<Vec<u8>> = row.try_get("trigger_args")?;
     let mut missing = Vec::new();
+    if row.try_get("partitioned_by_id")? {
+        missing.push(Missing::PartitionedById);
+    }
     let absent: Vec<String> = COLUMNS
         .iter()
         .filter(|name| !columns.iter().any(|c| c == *name))

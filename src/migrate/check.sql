@@ -1,6 +1,6 @@
 -- What the relay needs of its table, for the check at start: the columns it
 -- reads, the pending index (validity and predicate), the commit-order trigger
--- (state and arguments).
+-- (state and arguments), a partition key that includes `id`.
 -- $1: the table as '"schema"."table"'; $2: the pending index's name.
 SELECT to_regclass($1) IS NOT NULL AS table_exists,
        ARRAY(SELECT a.attname::text FROM pg_attribute a
@@ -12,4 +12,4 @@ SELECT to_regclass($1) IS NOT NULL AS table_exists,
        (SELECT t.tgenabled::text FROM pg_trigger t
          WHERE t.tgrelid = to_regclass($1) AND t.tgname = 'outbox_relay_commit_order') AS trigger_enabled,
        (SELECT t.tgargs FROM pg_trigger t
-         WHERE t.tgrelid = to_regclass($1) AND t.tgname = 'outbox_relay_commit_order') AS trigger_args
+         WHERE t.tgrelid = to_regclass($1) AND t.tgname = 'outbox_relay_commit_order') AS trigger_args,

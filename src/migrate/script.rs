@@ -2,9 +2,11 @@
 //! in its transaction (or statement by statement when marked) and recorded
 //! as [`run`](super::run) records it.
 
+use super::check::PARTITIONED_BY_ID;
 use super::{
-    FINISH, LOCK_TIMEOUT, MIGRATIONS, Migration, NO_TRANSACTION_STATEMENT_TIMEOUT, PARTITIONED,
-    RECORD_TABLE, RECORDED, bounds, statements, transaction_header, without_concurrently,
+    FINISH, LOCK_TIMEOUT, MIGRATIONS, Migration, Missing, NO_TRANSACTION_STATEMENT_TIMEOUT,
+    PARTITIONED, RECORD_TABLE, RECORDED, bounds, statements, transaction_header,
+    without_concurrently,
 };
 use crate::sql::{qualified_table, quote_ident, quote_literal};
 
@@ -33,6 +35,7 @@ pub fn script(schema: &str, table: &str) -> String {
             .replace("$2", &version.to_string())
     };
     let mut out = preamble(schema, table);
+    out += &refusal(schema, table);
     out += &format!(
         "\n-- Whether the table takes the second step at the end: this script installs \
          the commit-order trigger (0002 not recorded yet, so no writer ever took the \
@@ -48,6 +51,18 @@ pub fn script(schema: &str, table: &str) -> String {
     out += &block(&FINISH, schema, table);
     out += "\\endif\n";
     out
+}
+
+/// A table partitioned by a key that includes `id` is refused, as `migrate`
+/// refuses it: psql (`ON_ERROR_STOP`) stops before the first migration.
+fn refusal(schema: &str, table: &str) -> String {
+    let table = quote_literal(&qualified_table(schema, table));
+    format!(
+        "\n{}\\gset outbox_relay_\n\\if :outbox_relay_partitioned_by_id\n\
+         DO $refused$ BEGIN RAISE EXCEPTION '%', {}; END $refused$;\n\\endif\n",
+        PARTITIONED_BY_ID.replace("$1", &table),
+        quote_literal(&Missing::PartitionedById.to_string())
+    )
 }
 
 /// The psql variable the printed script sets when the table is to end in

@@ -42,6 +42,10 @@ pub enum StoreError {
     /// who holds it.
     #[error("{0}")]
     LockWait(String),
+    /// The table has a shape the relay refuses (`migrate` applies nothing
+    /// to it), with the reason.
+    #[error("{0}")]
+    Refused(String),
 }
 
 impl From<tokio_postgres::Error> for StoreError {
@@ -75,7 +79,10 @@ impl StoreError {
             | StoreError::Build(_)
             | StoreError::ReadOnly => true,
             StoreError::Query(error) => connection_lost(error),
-            StoreError::Columns(_) | StoreError::Sequence(_) | StoreError::LockWait(_) => false,
+            StoreError::Columns(_)
+            | StoreError::Sequence(_)
+            | StoreError::LockWait(_)
+            | StoreError::Refused(_) => false,
         }
     }
 

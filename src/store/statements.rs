@@ -4,6 +4,8 @@
 
 use std::fmt::Write;
 
+use crate::sql::fill;
+
 /// Opens a sweep's transaction. Its commit does not wait for the WAL flush: if
 /// PostgreSQL crashed right after, the marks of the last moments could be lost,
 /// and those rows would be published again — a duplicate, never a loss, which
@@ -127,9 +129,10 @@ impl Statements {
     /// `table` quoted, `channel` the wake-up channel as a quoted literal.
     pub(super) fn new(table: &str, channel: &str, parking: bool) -> Statements {
         let sql = |text: &str| {
-            variant(text, parking)
-                .replace("{table}", table)
-                .replace("{channel}", channel)
+            fill(
+                &variant(text, parking),
+                &[("{table}", table), ("{channel}", channel)],
+            )
         };
         let (read_batch, mark_published) = (sql(READ_BATCH), sql(MARK_PUBLISHED));
         Statements {

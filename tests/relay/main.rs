@@ -26,6 +26,7 @@ mod settlement;
 mod support;
 mod tls;
 mod tracing;
+mod trigger;
 mod twins;
 mod twophase;
 mod upgrade;
