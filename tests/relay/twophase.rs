@@ -13,9 +13,10 @@ use outbox_relay::config::Config;
 use outbox_relay::store::Store;
 use tokio_postgres::{Client, NoTls};
 
+use crate::proxy::{Mode, Proxy};
 use crate::support::{
     Broker, Outbox, PrivateServer, RelayHandle, by_tenant, config, eventually, metric,
-    private_cluster, relay_command, start_relay, unique,
+    private_cluster, relay_command, standby_of, start_relay, unique,
 };
 
 /// The private cluster, with a database `test` and a role `preparer` that
@@ -62,9 +63,9 @@ impl Cluster {
 }
 
 /// A migrated outbox table on the cluster that `preparer` may write into, a
-/// broker, and a relay of tenants `a` and `b`; the statement that inserts a
-/// row of tenant `$1` and returns its id.
-async fn relayed(cluster: &Cluster) -> (Outbox, Broker, RelayHandle, String) {
+/// broker, and a relay of tenants `a` and `b` on `database_url`; the
+/// statement that inserts a row of tenant `$1` and returns its id.
+async fn relayed(cluster: &Cluster, database_url: &str) -> (Outbox, Broker, RelayHandle, String) {
     let schema = unique("twophase");
     let mut migrate = Config::with_tenants(["migrate"]);
     migrate.database_url = cluster.url("postgres").parse().expect("url");
@@ -88,7 +89,7 @@ async fn relayed(cluster: &Cluster) -> (Outbox, Broker, RelayHandle, String) {
         .expect("grants");
     let broker = Broker::create(&["#"]).await;
     let mut relayed = config(&outbox, &broker, &["a", "b"]);
-    relayed.database_url = cluster.url("postgres").parse().expect("url");
+    relayed.database_url = database_url.parse().expect("url");
     relayed.listen_database_url = relayed.database_url.clone();
     let relay = start_relay(relayed).await;
     let insert = format!(
@@ -117,7 +118,7 @@ async fn a_waits(relay: &RelayHandle) -> bool {
 async fn prepared_transactions_commit_through_the_trigger_and_hold_back_only_later_rows() {
     let _cluster = CLUSTER_IN_USE.lock().await;
     let cluster = tokio::task::spawn_blocking(cluster).await.expect("cluster");
-    let (outbox, broker, relay, insert) = relayed(cluster).await;
+    let (outbox, broker, relay, insert) = relayed(cluster, &cluster.url("postgres")).await;
     // The relay waits for notifications (the table is quiet): a writer
     // without the setting notifies, and cannot prepare.
     let plain = cluster.client("postgres").await;
@@ -223,7 +224,7 @@ async fn prepared_transactions_commit_through_the_trigger_and_hold_back_only_lat
 async fn a_prepared_transaction_holds_its_tenant_across_a_restart() {
     let _cluster = CLUSTER_IN_USE.lock().await;
     let cluster = tokio::task::spawn_blocking(cluster).await.expect("cluster");
-    let (outbox, broker, relay, insert) = relayed(cluster).await;
+    let (outbox, broker, relay, insert) = relayed(cluster, &cluster.url("postgres")).await;
     let gid = unique("restart");
     let preparer = cluster.client("preparer").await;
     preparer.batch_execute("BEGIN").await.unwrap();
@@ -464,4 +465,122 @@ async fn status_names_the_open_and_prepared_writers_that_hold_a_tenant_and_a_twi
         runbook.iter().any(|(pid, _)| *pid == Some(open_pid)),
         "{runbook:?}"
     );
+}
+
+/// A prepared transaction survives a failover too: a streaming standby that
+/// had replayed the `PREPARE` is promoted (the old primary gone for the
+/// relay), and recovers the transaction with a new virtual transaction id.
+/// The tenant's later rows, committed before and after, wait until it is
+/// committed on the new primary, then everything arrives in id order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepared_transaction_holds_its_tenant_across_a_promotion() {
+    let _cluster = CLUSTER_IN_USE.lock().await;
+    let cluster = tokio::task::spawn_blocking(cluster).await.expect("cluster");
+    let standby = tokio::task::spawn_blocking(|| {
+        standby_of(
+            &cluster.server,
+            "two-phase standby",
+            "outbox-relay-twophase-standby-",
+            &["max_prepared_transactions=10", "max_connections=40"],
+        )
+    })
+    .await
+    .expect("standby");
+    let first = Proxy::start(
+        format!("127.0.0.1:{}", cluster.port).parse().unwrap(),
+        Mode::Pass,
+    )
+    .await;
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/test\
+         ?target_session_attrs=read-write&connect_timeout=2",
+        first.addr.port(),
+        standby.port
+    );
+    let (outbox, broker, relay, insert) = relayed(cluster, &url).await;
+    let gid = unique("promotion");
+    let preparer = cluster.client("preparer").await;
+    preparer.batch_execute("BEGIN").await.unwrap();
+    let prepared = insert_row(&preparer, &insert, "a").await;
+    preparer
+        .batch_execute(&format!("PREPARE TRANSACTION '{gid}'"))
+        .await
+        .expect("prepared");
+    let before = insert_row(&outbox.client, &insert, "a").await;
+    eventually(
+        "the tenant waits for the prepared transaction",
+        Duration::from_secs(20),
+        || a_waits(&relay),
+    )
+    .await;
+    let promoted = crate::support::db::pg_client_to(&format!(
+        "postgres://postgres@127.0.0.1:{}/test",
+        standby.port
+    ))
+    .await;
+    // The later row's commit comes after the PREPARE in the WAL (a standby
+    // lists no prepared transaction before it is promoted).
+    let replayed = format!(
+        "SELECT count(*) FROM {} WHERE id = {before}",
+        outbox.qualified()
+    );
+    eventually(
+        "the standby replayed the later row",
+        Duration::from_secs(20),
+        || async {
+            promoted
+                .query_one(&replayed, &[])
+                .await
+                .is_ok_and(|row| row.get::<_, i64>(0) == 1)
+        },
+    )
+    .await;
+
+    first.set(Mode::Refuse);
+    first.reset();
+    promoted
+        .batch_execute("SELECT pg_promote()")
+        .await
+        .expect("promoted");
+    let on_new = outbox.sharing(promoted);
+    let after = insert_row(&on_new.client, &insert, "a").await;
+    let other = insert_row(&on_new.client, &insert, "b").await;
+    eventually(
+        "the other tenant goes on after the promotion",
+        Duration::from_secs(30),
+        || async { on_new.row(other).await.published },
+    )
+    .await;
+    // The relay has swept and checked the tenant's writers since: for two
+    // seconds more, its later rows stay behind the prepared one.
+    let watched = tokio::time::Instant::now();
+    while watched.elapsed() < Duration::from_secs(2) {
+        for id in [before, after] {
+            assert!(
+                !on_new.row(id).await.published,
+                "row {id} waits for the prepared transaction's lower id {prepared}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    on_new
+        .client
+        .batch_execute(&format!("COMMIT PREPARED '{gid}'"))
+        .await
+        .expect("commit prepared on the new primary");
+    eventually(
+        "the tenant's rows arrive",
+        Duration::from_secs(30),
+        || async { on_new.all_pending().await == 0 && broker.count() >= 4 },
+    )
+    .await;
+    let received = by_tenant(&broker.received());
+    assert_eq!(received["a"], [prepared, before, after], "in id order");
+    relay.stop().await;
+    // The old primary still has it: gone with it.
+    outbox
+        .client
+        .batch_execute(&format!("ROLLBACK PREPARED '{gid}'"))
+        .await
+        .expect("rolled back on the old primary");
 }

@@ -234,7 +234,7 @@ async fn an_old_relay_beside_a_new_one_keeps_order_through_both_steps_of_the_upg
         said.contains("migrate --finish refused: 1 session(s) of relays older than this one"),
         "{said}"
     );
-    assert_eq!(recorded(&outbox.client, &schema).await, [1, 2, 3, 4, 5]);
+    assert_eq!(recorded(&outbox.client, &schema).await, [1, 2, 3, 4, 5, 7]);
     old_relay.signal("TERM");
     assert_eq!(old_relay.wait(Duration::from_secs(30)).await, Some(0));
     let prefix = outbox_relay::sql::relays_prefix(&schema, "outbox_message");
@@ -393,7 +393,7 @@ async fn finish_refuses_while_an_older_relay_reads_the_table_and_force_overrides
     assert!(said.contains("PgBouncer"), "{said}");
     assert_eq!(
         recorded(&outbox.client, &schema).await,
-        [1, 2, 3, 4, 5],
+        [1, 2, 3, 4, 5, 7],
         "nothing taken"
     );
 
@@ -407,7 +407,7 @@ async fn finish_refuses_while_an_older_relay_reads_the_table_and_force_overrides
             .any(|line| line.contains(&format!("pid {lower},"))),
         "{said}"
     );
-    assert_eq!(recorded(&outbox.client, &schema).await, [1, 2, 3, 4, 5, 6]);
+    assert_eq!(recorded(&outbox.client, &schema).await, [1, 2, 3, 4, 5, 6, 7]);
     assert!(!writers_wait(&outbox, "red").await, "the step was taken");
 
     // The runbook's undo before a rollback: the record of 0005 and later
@@ -419,7 +419,7 @@ async fn finish_refuses_while_an_older_relay_reads_the_table_and_force_overrides
         ))
         .await;
     migrate(relay_command(), &[], &schema);
-    assert_eq!(recorded(&outbox.client, &schema).await, [1, 2, 3, 4, 5]);
+    assert_eq!(recorded(&outbox.client, &schema).await, [1, 2, 3, 4, 5, 7]);
     assert!(
         writers_wait(&outbox, "red").await,
         "the exclusive mode is back"
@@ -516,9 +516,9 @@ async fn a_relay_relays_while_its_trigger_only_migration_waits_for_a_prepared_tr
 
     outbox.execute(&format!("COMMIT PREPARED '{gid}'")).await;
     eventually(
-        "0005 applies once the lock is free",
+        "0005 and 0007 apply once the lock is free",
         Duration::from_secs(20),
-        || async { recorded(&outbox.client, &schema).await == [1, 2, 3, 4, 5] },
+        || async { recorded(&outbox.client, &schema).await == [1, 2, 3, 4, 5, 7] },
     )
     .await;
     eventually(
@@ -592,9 +592,9 @@ async fn a_migration_the_reads_need_holds_the_relay_and_names_the_transaction_it
     )
     .await;
     eventually(
-        "0005 applies while the relay relays",
+        "0005 and 0007 apply while the relay relays",
         Duration::from_secs(20),
-        || async { recorded(&outbox.client, &schema).await == [1, 2, 3, 4, 5] },
+        || async { recorded(&outbox.client, &schema).await == [1, 2, 3, 4, 5, 7] },
     )
     .await;
 }
