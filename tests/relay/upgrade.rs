@@ -407,7 +407,10 @@ async fn finish_refuses_while_an_older_relay_reads_the_table_and_force_overrides
             .any(|line| line.contains(&format!("pid {lower},"))),
         "{said}"
     );
-    assert_eq!(recorded(&outbox.client, &schema).await, [1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!(
+        recorded(&outbox.client, &schema).await,
+        [1, 2, 3, 4, 5, 6, 7]
+    );
     assert!(!writers_wait(&outbox, "red").await, "the step was taken");
 
     // The runbook's undo before a rollback: the record of 0005 and later

@@ -321,9 +321,11 @@ async fn notifications_of(outbox: &Outbox) -> (tokio_postgres::Client, Arc<Atomi
 /// (the defaults otherwise), the relay finds that its wake-up connection
 /// keeps no session: it says so once, naming `listen_database_url`, neither
 /// LISTENs nor takes the wake-up lock there, and watches the id sequence
-/// while idle. A row every 0.5 s reaches the consumer within p50 20 ms, and
-/// at most one commit in ten notifies; nothing is left on the pool's server
-/// connections.
+/// while idle: with the poll a minute away, a row every 0.5 s reaches the
+/// consumer at once (the p50 is printed; with the default poll it is a
+/// measurement in docs/benchmarks.md, not a bound a loaded machine keeps),
+/// and at most one commit in ten notifies; nothing is left on the pool's
+/// server connections.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn through_transaction_pooling_the_wakeup_watches_the_sequence_and_leaves_nothing_in_the_pool()
  {
@@ -331,7 +333,7 @@ async fn through_transaction_pooling_the_wakeup_watches_the_sequence_and_leaves_
     let outbox = Outbox::create().await;
     let broker = Broker::create(&["#"]).await;
     let mut env = relay_env(&outbox, &broker, &["acme"]);
-    env.retain(|(key, _)| key != "OUTBOX_POLL_MS");
+    set_env(&mut env, "OUTBOX_POLL_MS", &NO_POLL_MS.to_string());
     set_env(&mut env, "OUTBOX_DATABASE_URL", bouncer.as_str());
     let (mut relay, addr) = spawn_relay(&env).await;
     relay
@@ -368,15 +370,14 @@ async fn through_transaction_pooling_the_wakeup_watches_the_sequence_and_leaves_
         "commit to consumer through transaction pooling: p50 {p50:?}, max {:?}; {notified} of 20 commits notified",
         delays[19]
     );
-    assert!(p50 <= Duration::from_millis(20), "p50 {p50:?}: {delays:?}");
+    assert!(p50 < Duration::from_secs(1), "p50 {p50:?}: {delays:?}");
     assert!(notified <= 2, "{notified} of 20 commits notified");
     let (_, metrics) = crate::support::http_get(addr, "/metrics").await;
     assert_eq!(metric(&metrics, "outbox_wakeup_connected"), Some(0.0));
     assert_eq!(relay.said("WARN", "listen_database_url"), 1, "said once");
     relay.signal("TERM");
     relay.wait(Duration::from_secs(10)).await;
-    let ids: Vec<i64> = broker.received().iter().map(|r| r.id).collect();
-    assert_eq!(ids, committed);
+    assert_eq!(first_arrivals(&broker), committed, "each row, in order");
     assert_eq!(wakeup_lock_holders(&outbox).await, 0);
     let channels =
         crate::pgbouncer::on_every_server_connection(&bouncer, "SELECT pg_listening_channels()")
@@ -411,7 +412,7 @@ async fn through_transaction_pooling_notify_falls_back_to_the_sequence() {
         committed.push(outbox.insert("acme", "k", "s", Some("{}"), None).await);
         eventually(
             "the row arrives long before the poll",
-            Duration::from_secs(10),
+            Duration::from_secs(30),
             || async { broker.count() >= n },
         )
         .await;
@@ -419,8 +420,7 @@ async fn through_transaction_pooling_notify_falls_back_to_the_sequence() {
     assert!(!wakeup_connected(&relay).await);
     assert_eq!(wakeup_lock_holders(&outbox).await, 0);
     relay.stop().await;
-    let ids: Vec<i64> = broker.received().iter().map(|r| r.id).collect();
-    assert_eq!(ids, committed);
+    assert_eq!(first_arrivals(&broker), committed, "each row, in order");
 }
 
 /// Through session pooling, the wake-up connection keeps its session: it
