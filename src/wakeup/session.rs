@@ -10,7 +10,7 @@
 //! another, mostly. So the wake-up connection reads its backend pid twice in
 //! a row, then once more while a second connection to the same URL holds a
 //! transaction open, which keeps whatever server connection it was lent
-//! (the one just released, from the first kind of pool), three rounds over.
+//! (the one just released, from the first kind of pool), [`ROUNDS`] over.
 //! The session holds when every read agrees and the second connection never
 //! saw that pid. A statement of its own session never waits for the other's
 //! transaction: one that does has no session of its own (nor the pool a
@@ -28,10 +28,13 @@ use crate::store::{TlsStream, connect};
 /// connection holds its transaction: its own session answers at once.
 const LEND_WAIT: Duration = Duration::from_secs(3);
 
-/// The check's rounds: with other clients' transactions between them, a
-/// pool may lend the same server connection to one round's reads by chance
-/// (or the other connection another one), hardly to every round's.
-const ROUNDS: usize = 3;
+/// The check's rounds. A busy pool can fool one: another client takes the
+/// server connection just released before the other connection's `BEGIN`
+/// does, and the wake-up connection, waiting beside it, gets it back (3
+/// rounds were fooled in a suite sharing a 2-connection pool with busy
+/// relays). A round costs four round trips, so the check stays well under
+/// a second, and every round is another chance to see the pool lend.
+const ROUNDS: usize = 16;
 
 /// Whether the connection (`client`, `connection`) to `target` keeps its
 /// session between transactions: in each of [`ROUNDS`] rounds, its backend
