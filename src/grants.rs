@@ -1,6 +1,7 @@
 //! The grants the configuration needs, checked once at start in one
 //! statement (`store/grants.sql`): `USAGE` on the schema, `SELECT` and
-//! `UPDATE` on the table for relaying, `DELETE` for retention when
+//! `UPDATE` on the table for relaying (or on each column the relay reads or
+//! sets), `DELETE` for retention when
 //! `retention_ms` > 0. Each missing grant is one ERROR naming the privilege,
 //! the object, the feature that needs it and the `GRANT` that fixes it. None
 //! is fatal: the relay keeps relaying, and only the feature that needs the

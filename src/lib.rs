@@ -274,6 +274,7 @@ async fn migrate_until_done(
 ) -> Option<Vec<i32>> {
     let backoff = Backoff::new(Duration::from_millis(500), Duration::from_secs(10));
     let mut failures = 0;
+    let mut denied = false;
     loop {
         // A lock wait is an answer: the database is up.
         let reached = || {
@@ -289,6 +290,24 @@ async fn migrate_until_done(
         };
         match result {
             Ok(applied) => return Some(applied),
+            Err(error) if error.sqlstate() == Some("42501") => {
+                // A grant comes by hand: said once, then tried again quietly.
+                if !std::mem::replace(&mut denied, true) {
+                    let meanwhile = if relaying {
+                        "the relay relays meanwhile (the trigger in place keeps order)"
+                    } else {
+                        "the relay relays nothing until they are applied"
+                    };
+                    tracing::error!(
+                        %error,
+                        "the relay's role may not apply the migrations: they need the owner of \
+                         the table and of the schema's trigger functions; {meanwhile}, and \
+                         tries again without saying so each time; fix: run `outbox-relay \
+                         migrate` as that owner (or a superuser) once"
+                    );
+                }
+                reached();
+            }
             Err(error) => {
                 tracing::warn!(%error, "cannot apply migrations; retrying");
                 if !relaying {

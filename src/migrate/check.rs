@@ -14,7 +14,8 @@ const CHECK: &str = concat!(
     include_str!("partitioned_by_id.sql")
 );
 /// Whether the table (`$1`) is partitioned by a key that includes `id`.
-pub(super) const PARTITIONED_BY_ID: &str = concat!("SELECT", include_str!("partitioned_by_id.sql"));
+pub(super) const PARTITIONED_BY_ID: &str =
+    concat!("SELECT\n", include_str!("partitioned_by_id.sql"));
 
 /// The trigger `migrations/0002_commit_order.sql` installs.
 pub const TRIGGER: &str = "outbox_relay_commit_order";

@@ -175,6 +175,8 @@ mod tests {
         assert!(script.contains("CREATE TABLE IF NOT EXISTS outbox_relay_migrations"));
         assert!(script.contains("VALUES ('orders_outbox', 2, '0002_commit_order')"));
         assert!(script.contains("SET LOCAL search_path TO \"app\";"));
+        // A comment reads on a line of its own, not after a keyword.
+        assert!(!script.contains("SELECT       --"), "{script}");
     }
 
     #[test]

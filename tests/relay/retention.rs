@@ -401,3 +401,44 @@ async fn the_check_at_start_names_each_grant_the_configuration_needs() {
     assert_eq!(relay.said("ERROR", "DELETE"), 0, "{output}");
     assert_eq!(relay.said("WARN", "never reused"), 0, "retention is off");
 }
+
+/// A least-privilege role granted `SELECT` and `UPDATE` column by column,
+/// on the columns the relay reads and sets, relays; the check at start names
+/// no grant for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grants_given_per_column_count_as_the_tables() {
+    let outbox = Outbox::create().await;
+    let broker = Broker::create(&["#"]).await;
+    let role = unique("relay_columns");
+    let _owned = OwnedRole::new(DATABASE_URL, &role);
+    outbox
+        .execute(&format!(
+            "CREATE ROLE \"{role}\" LOGIN; \
+             GRANT USAGE ON SCHEMA \"{schema}\" TO \"{role}\"; \
+             GRANT SELECT (id, tenant_id, kind, subject_id, payload, headers, occurred_at, \
+                           published_at, attempts, last_error, parked_at, discarded_at), \
+                   UPDATE (published_at, attempts, last_error, parked_at), DELETE \
+                ON {{outbox}} TO \"{role}\"; \
+             GRANT SELECT ON SEQUENCE \"{schema}\".\"{table}_id_seq\" TO \"{role}\"; \
+             ALTER TABLE {{outbox}} SET (autovacuum_enabled = false)",
+            schema = outbox.schema,
+            table = outbox.table,
+        ))
+        .await;
+    let mut env = relay_env(&outbox, &broker, &["a"]);
+    set_env(
+        &mut env,
+        "OUTBOX_DATABASE_URL",
+        format!("postgres://{role}@127.0.0.1:5432/test"),
+    );
+    set_env(&mut env, "OUTBOX_RETENTION_MS", "2000");
+    let (relay, _) = spawn_relay(&env).await;
+    let ids = outbox.insert_many("a", 3).await;
+    eventually("rows are relayed", Duration::from_secs(10), || async {
+        broker.count() >= ids.len()
+    })
+    .await;
+    // The same check's last line: its ERRORs, if any, come before it.
+    relay.until_said("WARN", "never reused", 1).await;
+    assert_eq!(relay.said("ERROR", "lacks"), 0, "{}", relay.output());
+}

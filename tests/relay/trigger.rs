@@ -13,7 +13,8 @@ use outbox_relay::store::Store;
 use tokio_postgres::Client;
 
 use crate::support::{
-    Broker, DATABASE_URL, Outbox, check_history, config, pg_client, start_relay, unique,
+    Broker, DATABASE_URL, Outbox, OwnedRole, check_history, config, eventually, pg_client,
+    relay_env, set_env, spawn_relay, start_relay, unique,
 };
 
 /// The migrations' configuration for `schema`.`table`.
@@ -365,4 +366,64 @@ async fn a_long_names_channel_is_the_one_the_relay_listens_on() {
         .expect("the function")
         .get(0);
     assert!(baked, "the function notifies {channel}");
+}
+
+/// A relay with `migrate = true` whose role owns the table but not the
+/// schema's trigger functions (a superuser ran the earlier migrations)
+/// cannot apply 0007. It says so once at ERROR, with the fix, relays
+/// meanwhile and tries again quietly; it never claims the migrations are up
+/// to date, and applies 0007 once it may.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_may_not_apply_a_migration_says_so_once_and_relays() {
+    let outbox = Outbox::adopt(unique("denied"), "outbox_message".into(), pg_client().await);
+    let migrations = migrate_config(&outbox.schema, &outbox.table);
+    let store = Store::new(&migrations).expect("store");
+    apply(&store, &migrations, &MIGRATIONS[..5])
+        .await
+        .expect("0001 to 0005, as a superuser");
+    let (schema, role) = (outbox.schema.clone(), unique("table_owner"));
+    let _owned = OwnedRole::new(DATABASE_URL, &role);
+    outbox
+        .execute(&format!(
+            "CREATE ROLE \"{role}\" LOGIN; GRANT USAGE, CREATE ON SCHEMA \"{schema}\" TO \"{role}\"; \
+             ALTER TABLE {{outbox}} OWNER TO \"{role}\"; \
+             ALTER TABLE \"{schema}\".outbox_relay_migrations OWNER TO \"{role}\""
+        ))
+        .await;
+    let broker = Broker::create(&["#"]).await;
+    let mut env = relay_env(&outbox, &broker, &["a"]);
+    let url = format!("postgres://{role}@127.0.0.1:5432/test");
+    set_env(&mut env, "OUTBOX_DATABASE_URL", url);
+    set_env(&mut env, "OUTBOX_MIGRATE", "true");
+    let (relay, _) = spawn_relay(&env).await;
+    let fix = "fix: run `outbox-relay migrate` as that owner";
+    relay.until_said("ERROR", fix, 1).await;
+    let ids = outbox.insert_many("a", 3).await;
+    eventually("rows are relayed", Duration::from_secs(10), || async {
+        broker.count() >= ids.len()
+    })
+    .await;
+    // Absence can only be watched for a while: the retries 0.5, 1, 2 and 4 s apart.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    assert_eq!(relay.said("ERROR", fix), 1, "{}", relay.output());
+    assert_eq!(relay.said("WARN", "cannot apply migrations"), 0);
+
+    outbox
+        .execute(&format!(
+            "ALTER FUNCTION \"{schema}\".outbox_relay_insert() OWNER TO \"{role}\"; \
+             ALTER FUNCTION \"{schema}\".outbox_relay_before_insert() OWNER TO \"{role}\""
+        ))
+        .await;
+    relay.until_said("INFO", "applied 0007_own_table", 1).await;
+    assert_eq!(relay.said("INFO", "migrations up to date"), 0);
+    let public: bool = outbox
+        .client
+        .query_one(
+            "SELECT has_function_privilege('public', $1::text::regprocedure, 'EXECUTE')",
+            &[&format!("\"{schema}\".outbox_relay_insert()")],
+        )
+        .await
+        .expect("the function's grants")
+        .get(0);
+    assert!(!public, "EXECUTE is revoked from PUBLIC");
 }
