@@ -62,11 +62,10 @@ impl Cluster {
     }
 }
 
-/// A migrated outbox table on the cluster that `preparer` may write into, a
-/// broker, and a relay of tenants `a` and `b` on `database_url`; the
-/// statement that inserts a row of tenant `$1` and returns its id.
-async fn relayed(cluster: &Cluster, database_url: &str) -> (Outbox, Broker, RelayHandle, String) {
-    let schema = unique("twophase");
+/// A migrated outbox table on the cluster, in a schema of its own named
+/// after `prefix`, that `preparer` may write into.
+async fn preparers_outbox(cluster: &Cluster, prefix: &str) -> Outbox {
+    let schema = unique(prefix);
     let mut migrate = Config::with_tenants(["migrate"]);
     migrate.database_url = cluster.url("postgres").parse().expect("url");
     migrate.schema = schema.clone();
@@ -87,6 +86,14 @@ async fn relayed(cluster: &Cluster, database_url: &str) -> (Outbox, Broker, Rela
         ))
         .await
         .expect("grants");
+    outbox
+}
+
+/// A migrated outbox table on the cluster that `preparer` may write into, a
+/// broker, and a relay of tenants `a` and `b` on `database_url`; the
+/// statement that inserts a row of tenant `$1` and returns its id.
+async fn relayed(cluster: &Cluster, database_url: &str) -> (Outbox, Broker, RelayHandle, String) {
+    let outbox = preparers_outbox(cluster, "twophase").await;
     let broker = Broker::create(&["#"]).await;
     let mut relayed = config(&outbox, &broker, &["a", "b"]);
     relayed.database_url = database_url.parse().expect("url");
@@ -321,27 +328,7 @@ fn runbook_holders_query(outbox: &Outbox, tenant: &str) -> String {
 async fn status_names_the_open_and_prepared_writers_that_hold_a_tenant_and_a_twins_writer() {
     let _cluster = CLUSTER_IN_USE.lock().await;
     let cluster = tokio::task::spawn_blocking(cluster).await.expect("cluster");
-    let schema = unique("twophase_status");
-    let mut migrate = Config::with_tenants(["migrate"]);
-    migrate.database_url = cluster.url("postgres").parse().expect("url");
-    migrate.schema = schema.clone();
-    outbox_relay::migrate::run(&Store::new(&migrate).expect("store"), &migrate)
-        .await
-        .expect("migrations apply");
-    let outbox = Outbox::adopt_in(
-        &cluster.url("postgres"),
-        schema.clone(),
-        "outbox_message".into(),
-        cluster.client("postgres").await,
-    );
-    outbox
-        .client
-        .batch_execute(&format!(
-            "GRANT USAGE ON SCHEMA \"{schema}\" TO preparer; GRANT INSERT, SELECT ON {} TO preparer",
-            outbox.qualified()
-        ))
-        .await
-        .expect("grants");
+    let outbox = preparers_outbox(cluster, "twophase_status").await;
     let insert = format!(
         "INSERT INTO {} (tenant_id, kind, subject_id, payload) VALUES ($1, 'k', $2, '{{}}') RETURNING id",
         outbox.qualified()
