@@ -285,7 +285,7 @@ async fn migrate_until_done(
         let applying = migrate::apply_patiently(&relay.store, &relay.config, migrations, &reached);
         let result = tokio::select! {
             result = applying => result,
-            never = beat_while(relay, !relaying) => match never {},
+            never = beat_while(relay), if !relaying => match never {},
             () = stop.clone().fired() => return None,
         };
         match result {
@@ -325,12 +325,10 @@ async fn migrate_until_done(
     }
 }
 
-/// Beats for `/livez` every second when `beating`, until dropped.
-async fn beat_while(relay: &Relay, beating: bool) -> std::convert::Infallible {
+/// Beats for `/livez` every second, until dropped.
+async fn beat_while(relay: &Relay) -> std::convert::Infallible {
     loop {
-        if beating {
-            relay.beat();
-        }
+        relay.beat();
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }

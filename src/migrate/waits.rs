@@ -86,23 +86,21 @@ pub struct OlderRelay {
 /// members' prefix and no upgrade level, or a lower one than [`LEVEL`].
 pub async fn older_relays(store: &Store, config: &Config) -> Result<Vec<OlderRelay>, StoreError> {
     let prefix = relays_prefix(&config.schema, &config.table);
-    let conn = store.connection().await?;
-    let rows = within("the older relays' check", QUERY_TIMEOUT, async {
-        Ok(conn
-            .query_typed(OLDER_RELAYS, &[(&prefix, Type::TEXT), (&LEVEL, Type::INT4)])
-            .await?)
-    })
-    .await?;
-    rows.iter()
-        .map(|row| {
-            Ok(OlderRelay {
-                pid: row.try_get("pid")?,
-                client_addr: row.try_get("client_addr")?,
-                backend_start: row.try_get("backend_start")?,
-                application_name: row.try_get("application_name")?,
-            })
-        })
-        .collect()
+    store
+        .query_all(
+            "the older relays' check",
+            OLDER_RELAYS,
+            &[(&prefix, Type::TEXT), (&LEVEL, Type::INT4)],
+            |row| {
+                Ok(OlderRelay {
+                    pid: row.try_get("pid")?,
+                    client_addr: row.try_get("client_addr")?,
+                    backend_start: row.try_get("backend_start")?,
+                    application_name: row.try_get("application_name")?,
+                })
+            },
+        )
+        .await
 }
 
 /// Why `migrate --finish` refused: the older relays it saw.

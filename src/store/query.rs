@@ -16,7 +16,7 @@ pub const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
 impl Store {
     /// One statement outside any sweep, on a pooled connection, within
     /// [`QUERY_TIMEOUT`]; a connection whose statement failed is discarded.
-    pub(super) async fn query_all<T>(
+    pub(crate) async fn query_all<T>(
         &self,
         what: &'static str,
         sql: &str,

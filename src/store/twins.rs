@@ -116,27 +116,23 @@ impl Store {
     }
 
     /// Records `tenant`'s hash, as a claim found it (see [`Twins::learn`]).
+    /// The twins known so far, whatever a panicking holder left.
+    fn twins(&self) -> std::sync::MutexGuard<'_, Twins> {
+        self.twins.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     pub(super) fn learn_hash(&self, tenant: &str, hash: i32) {
-        self.twins
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .learn(tenant, hash, &self.lock_key);
+        self.twins().learn(tenant, hash, &self.lock_key);
     }
 
     /// The other tenants known to share `tenant`'s claim key.
     pub(super) fn twins_of(&self, tenant: &str) -> Vec<Arc<str>> {
-        self.twins
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .of(tenant)
+        self.twins().of(tenant)
     }
 
     /// Forgets a discovered tenant the schedule forgot (see [`Twins::forget`]).
     pub fn forget_tenant(&self, tenant: &str) {
-        self.twins
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .forget(tenant);
+        self.twins().forget(tenant);
     }
 }
 

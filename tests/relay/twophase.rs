@@ -222,40 +222,49 @@ async fn prepared_transactions_commit_through_the_trigger_and_hold_back_only_lat
     relay.stop().await;
 }
 
-/// A prepared transaction survives a restart of the server (recovered at
-/// start-up, with a new virtual transaction id): the relay still counts it
-/// as a writer of its tenant in flight, so the tenant's later rows, committed
-/// before and after the restart, wait until it is committed, and then
-/// everything arrives in id order.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_prepared_transaction_holds_its_tenant_across_a_restart() {
-    let _cluster = CLUSTER_IN_USE.lock().await;
-    let cluster = tokio::task::spawn_blocking(cluster).await.expect("cluster");
-    let (outbox, broker, relay, insert) = relayed(cluster, &cluster.url("postgres")).await;
-    let gid = unique("restart");
+/// Prepares a transaction (`gid`) that wrote a row of tenant `a`, commits a
+/// later row of `a`, and waits until the relay shows `a` waiting: the two
+/// rows' ids.
+async fn prepared_then_later(
+    cluster: &Cluster,
+    outbox: &Outbox,
+    relay: &RelayHandle,
+    insert: &str,
+    gid: &str,
+) -> (i64, i64) {
     let preparer = cluster.client("preparer").await;
     preparer.batch_execute("BEGIN").await.unwrap();
-    let prepared = insert_row(&preparer, &insert, "a").await;
+    let prepared = insert_row(&preparer, insert, "a").await;
     preparer
         .batch_execute(&format!("PREPARE TRANSACTION '{gid}'"))
         .await
         .expect("prepared");
-    let before = insert_row(&outbox.client, &insert, "a").await;
+    let before = insert_row(&outbox.client, insert, "a").await;
     eventually(
         "the tenant waits for the prepared transaction",
         Duration::from_secs(20),
-        || a_waits(&relay),
+        || a_waits(relay),
     )
     .await;
+    (prepared, before)
+}
 
-    tokio::task::spawn_blocking(|| cluster.server.restart())
-        .await
-        .expect("restarted");
-    let outbox = outbox.sharing(cluster.client("postgres").await);
-    let after = insert_row(&outbox.client, &insert, "a").await;
-    let other = insert_row(&outbox.client, &insert, "b").await;
+/// On a new server instance (`outbox`'s client on it), after
+/// [`prepared_then_later`]: a later row of `a` and one of `b`; `b` goes on,
+/// `a`'s later rows stay behind the prepared one for two seconds after that,
+/// and once `gid` is committed every row of `a` arrives in id order.
+async fn held_until_committed(
+    outbox: &Outbox,
+    broker: &Broker,
+    relay: &RelayHandle,
+    insert: &str,
+    gid: &str,
+    [prepared, before]: [i64; 2],
+) {
+    let after = insert_row(&outbox.client, insert, "a").await;
+    let other = insert_row(&outbox.client, insert, "b").await;
     eventually(
-        "the other tenant goes on after the restart",
+        "the other tenant goes on on the new server",
         Duration::from_secs(30),
         || async { outbox.row(other).await.published },
     )
@@ -272,8 +281,7 @@ async fn a_prepared_transaction_holds_its_tenant_across_a_restart() {
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    assert!(a_waits(&relay).await, "the wait shows");
-
+    assert!(a_waits(relay).await, "the wait shows");
     outbox
         .client
         .batch_execute(&format!("COMMIT PREPARED '{gid}'"))
@@ -287,6 +295,26 @@ async fn a_prepared_transaction_holds_its_tenant_across_a_restart() {
     .await;
     let received = by_tenant(&broker.received());
     assert_eq!(received["a"], [prepared, before, after], "in id order");
+}
+
+/// A prepared transaction survives a restart of the server (recovered at
+/// start-up, with a new virtual transaction id): the relay still counts it
+/// as a writer of its tenant in flight, so the tenant's later rows, committed
+/// before and after the restart, wait until it is committed, and then
+/// everything arrives in id order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepared_transaction_holds_its_tenant_across_a_restart() {
+    let _cluster = CLUSTER_IN_USE.lock().await;
+    let cluster = tokio::task::spawn_blocking(cluster).await.expect("cluster");
+    let (outbox, broker, relay, insert) = relayed(cluster, &cluster.url("postgres")).await;
+    let gid = unique("restart");
+    let (prepared, before) = prepared_then_later(cluster, &outbox, &relay, &insert, &gid).await;
+
+    tokio::task::spawn_blocking(|| cluster.server.restart())
+        .await
+        .expect("restarted");
+    let outbox = outbox.sharing(cluster.client("postgres").await);
+    held_until_committed(&outbox, &broker, &relay, &insert, &gid, [prepared, before]).await;
     relay.stop().await;
 }
 
@@ -486,20 +514,7 @@ async fn a_prepared_transaction_holds_its_tenant_across_a_promotion() {
     );
     let (outbox, broker, relay, insert) = relayed(cluster, &url).await;
     let gid = unique("promotion");
-    let preparer = cluster.client("preparer").await;
-    preparer.batch_execute("BEGIN").await.unwrap();
-    let prepared = insert_row(&preparer, &insert, "a").await;
-    preparer
-        .batch_execute(&format!("PREPARE TRANSACTION '{gid}'"))
-        .await
-        .expect("prepared");
-    let before = insert_row(&outbox.client, &insert, "a").await;
-    eventually(
-        "the tenant waits for the prepared transaction",
-        Duration::from_secs(20),
-        || a_waits(&relay),
-    )
-    .await;
+    let (prepared, before) = prepared_then_later(cluster, &outbox, &relay, &insert, &gid).await;
     let promoted = crate::support::db::pg_client_to(&format!(
         "postgres://postgres@127.0.0.1:{}/test",
         standby.port
@@ -530,39 +545,7 @@ async fn a_prepared_transaction_holds_its_tenant_across_a_promotion() {
         .await
         .expect("promoted");
     let on_new = outbox.sharing(promoted);
-    let after = insert_row(&on_new.client, &insert, "a").await;
-    let other = insert_row(&on_new.client, &insert, "b").await;
-    eventually(
-        "the other tenant goes on after the promotion",
-        Duration::from_secs(30),
-        || async { on_new.row(other).await.published },
-    )
-    .await;
-    // The relay has swept and checked the tenant's writers since: for two
-    // seconds more, its later rows stay behind the prepared one.
-    let watched = tokio::time::Instant::now();
-    while watched.elapsed() < Duration::from_secs(2) {
-        for id in [before, after] {
-            assert!(
-                !on_new.row(id).await.published,
-                "row {id} waits for the prepared transaction's lower id {prepared}"
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    on_new
-        .client
-        .batch_execute(&format!("COMMIT PREPARED '{gid}'"))
-        .await
-        .expect("commit prepared on the new primary");
-    eventually(
-        "the tenant's rows arrive",
-        Duration::from_secs(30),
-        || async { on_new.all_pending().await == 0 && broker.count() >= 4 },
-    )
-    .await;
-    let received = by_tenant(&broker.received());
-    assert_eq!(received["a"], [prepared, before, after], "in id order");
+    held_until_committed(&on_new, &broker, &relay, &insert, &gid, [prepared, before]).await;
     relay.stop().await;
     // The old primary still has it: gone with it.
     outbox
